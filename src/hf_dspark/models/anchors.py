@@ -1,0 +1,86 @@
+"""Anchor sampling and the anchor-block attention rule of DFlash/DSpark training.
+
+A training row holds many blocks at once. Block n starts at anchor position p_n; its slot j (0-based) sits at
+RoPE position p_n + j and predicts token p_n + j + 1. The attention rule, identical in training and inference:
+a slot sees context positions strictly before its anchor and every slot of its own block, nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.nn.attention.flex_attention import create_block_mask
+except ImportError:  # pragma: no cover
+    create_block_mask = None
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] -> bool [B, T]: positions p < T-1 with loss_mask[p] = loss_mask[p+1] = 1."""
+    lm = loss_mask.bool()
+    cand = torch.zeros_like(lm)
+    cand[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    return cand
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` candidates per row, uniformly without replacement, sorted.
+
+    Returns `(positions [B, N], valid [B, N])` with N = min(num_anchors, most candidates in any row); rows with
+    fewer candidates are padded with masked dummy anchors at position 0.
+    """
+    cand = anchor_candidates(loss_mask)
+    batch, seq = cand.shape
+    most = int(cand.sum(dim=1).max().item()) if seq else 0
+    n = max(1, min(num_anchors, most))
+    scores = torch.rand(cand.shape, generator=generator, device=cand.device if generator is None else generator.device)
+    scores = scores.to(cand.device).masked_fill(~cand, -1.0)
+    top, idx = scores.topk(n, dim=1)
+    valid = top >= 0
+    # Sort the chosen anchors by position, dummies last.
+    key = torch.where(valid, idx, torch.full_like(idx, seq))
+    order = key.argsort(dim=1)
+    positions = torch.where(valid, idx, torch.zeros_like(idx)).gather(1, order)
+    return positions, valid.gather(1, order)
+
+
+def block_positions(anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, N] -> [B, N * block_size]: RoPE position p_n + j of every slot."""
+    offsets = torch.arange(block_size, device=anchor_positions.device)
+    return (anchor_positions[:, :, None] + offsets).flatten(1)
+
+
+def dense_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """bool [B, 1, N*K, T + N*K], True where a slot may attend (keys ordered `[context; blocks]`)."""
+    batch, num_blocks = anchor_positions.shape
+    device = anchor_positions.device
+    q_anchor = anchor_positions.repeat_interleave(block_size, dim=1)  # [B, N*K]
+    ctx = torch.arange(context_len, device=device)
+    sees_ctx = ctx[None, None, :] < q_anchor[:, :, None]  # [B, N*K, T]
+    block_id = torch.arange(num_blocks, device=device).repeat_interleave(block_size)
+    sees_block = (block_id[:, None] == block_id[None, :]).expand(batch, -1, -1)
+    return torch.cat([sees_ctx, sees_block], dim=-1).unsqueeze(1)
+
+
+def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size: int):
+    """The same rule as a flex_attention BlockMask (sparse: blocks skip masked tiles)."""
+    if create_block_mask is None:  # pragma: no cover
+        raise RuntimeError("flex_attention is not available in this torch build")
+    batch, num_blocks = anchor_positions.shape
+    q_len = num_blocks * block_size
+    q_anchor = anchor_positions.repeat_interleave(block_size, dim=1)  # [B, Q]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_ctx = kv_idx < context_len
+        sees_ctx = kv_idx < q_anchor[b, q_idx]
+        same_block = (kv_idx - context_len) // block_size == q_idx // block_size
+        return (in_ctx & sees_ctx) | (~in_ctx & same_block)
+
+    return create_block_mask(
+        mask_mod, batch, None, q_len, context_len + q_len, device=anchor_positions.device, _compile=True
+    )
+
+
+__all__ = ["anchor_candidates", "sample_anchors", "block_positions", "dense_block_mask", "flex_block_mask"]

@@ -1,0 +1,104 @@
+"""Per-request context cache of a draft at inference time.
+
+It holds, for every request of a batch, the draft's keys/values of the *committed* positions only (the
+target's context features projected through each draft layer; for Eagle3 the step-0 entries). Requests have
+their own lengths: rows are packed to the left, so position i of a row is its i-th committed token whatever
+padding the target batch uses. Speculative tokens never enter the cache, so it needs no cropping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class DraftContextCache:
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        capacity: int = 256,
+    ):
+        self.num_layers = num_layers
+        self.batch_size = batch_size
+        self._shape = (batch_size, num_key_value_heads, capacity, head_dim)
+        self.keys = [torch.zeros(self._shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.values = [torch.zeros(self._shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # Drafter-specific per-request state (Eagle3 keeps the hidden state of the last committed position).
+        self.state: dict[str, Any] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.lengths.device
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    @property
+    def max_length(self) -> int:
+        return int(self.lengths.max().item()) if self.batch_size else 0
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+        pad = new_cap - self.capacity
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], pad, t.shape[3])], dim=2)
+
+    def slots(self, counts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions `lengths + i` [B, width] that new entries will occupy and which of them are real."""
+        offsets = torch.arange(width, device=self.device)
+        return self.lengths[:, None] + offsets, offsets[None, :] < counts[:, None]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor) -> None:
+        """Store the first `counts[r]` entries of key/value [B, KV, width, hd] after each row's committed ones."""
+        width = key.shape[2]
+        self._grow(int((self.lengths + counts).max().item()) if self.batch_size else 0)
+        positions, real = self.slots(counts, width)
+        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(positions)
+        self.keys[layer][rows[real], :, positions[real]] = key.transpose(1, 2)[real].to(self.keys[layer].dtype)
+        self.values[layer][rows[real], :, positions[real]] = value.transpose(1, 2)[real].to(self.values[layer].dtype)
+
+    def advance(self, counts: torch.Tensor) -> None:
+        self.lengths += counts
+
+    def layer_kv(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        length = self.max_length if length is None else length
+        return self.keys[layer][:, :, :length], self.values[layer][:, :, :length]
+
+    def key_mask(self, length: int | None = None) -> torch.Tensor:
+        """bool [B, length]: which cached entries are real for each row."""
+        length = self.max_length if length is None else length
+        return torch.arange(length, device=self.device)[None, :] < self.lengths[:, None]
+
+    def select(self, rows: torch.Tensor) -> "DraftContextCache":
+        """Keep only `rows` (e.g. drop finished requests); returns self."""
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.lengths = self.lengths[rows]
+        self.batch_size = int(self.lengths.shape[0])
+        self.state = {k: (v[rows] if torch.is_tensor(v) else v) for k, v in self.state.items()}
+        return self
+
+
+def pack_left(values: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move the valid entries of each row (dim 1) to the front, keeping their order.
+
+    values [B, T, ...], valid bool [B, T] -> (packed values, counts [B]). Turns left-padded prompts or partially
+    accepted blocks into the left-aligned layout the cache stores.
+    """
+    order = (~valid).to(torch.int8).argsort(dim=1, stable=True)
+    index = order.view(*order.shape, *([1] * (values.dim() - 2))).expand(*order.shape, *values.shape[2:])
+    return values.gather(1, index), valid.sum(dim=1)
+
+
+__all__ = ["DraftContextCache", "pack_left"]

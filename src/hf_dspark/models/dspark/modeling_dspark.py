@@ -1,0 +1,273 @@
+"""DSpark draft: parallel anchor-block backbone (KV injection) + Markov head + confidence head.
+
+Training (`forward`): for sampled anchors p, the block input is [x_p, MASK x (K-1)] at positions p..p+K-1;
+slot j predicts x_{p+j+1} and sees context positions < p plus its own block. The Markov head is teacher forced
+(x_{k-1} is the ground truth). The output carries what the loss needs (normed hidden states, Markov features,
+confidence logits, labels, masks, the aligned target hidden states); full-vocabulary logits are left to the loss
+so it can build them chunk by chunk.
+
+Inference (`extend_context` / `propose`): the same layers read the context keys/values from a per-request
+cache; the Markov head samples left to right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from ...generation.sampling import TokenSampler
+from ..anchors import block_positions, dense_block_mask, flex_block_mask, sample_anchors
+from ..backbone import DraftDecoderLayer
+from ..context_cache import DraftContextCache
+from ..heads import MARKOV_HEADS, ConfidenceHead
+from ..modeling_draft import DraftPreTrainedModel, DraftProposal
+from ..target import TargetSpec
+from .configuration_dspark import DSparkConfig
+
+
+@dataclass
+class BlockDraftOutput(ModelOutput):
+    """Training-forward output of DSpark/DFlash (B rows, N anchors, K slots).
+
+    hidden_states [B, N, K, d]: final-normed draft states (draft logits = `draft_logits(hidden, markov)`);
+    markov_features [B, N, K, r] or None; confidence_logits [B, N, K] or None; labels [B, N, K];
+    eval_mask bool [B, N, K]: label inside the sequence and supervised, as a contiguous prefix per block;
+    target_hidden_states [B, N, K, d_target] or None: the target's final hidden state that predicted each label;
+    anchor_positions / anchor_mask [B, N].
+    """
+
+    hidden_states: torch.FloatTensor | None = None
+    markov_features: torch.FloatTensor | None = None
+    confidence_logits: torch.FloatTensor | None = None
+    labels: torch.LongTensor | None = None
+    eval_mask: torch.BoolTensor | None = None
+    target_hidden_states: torch.FloatTensor | None = None
+    anchor_positions: torch.LongTensor | None = None
+    anchor_mask: torch.BoolTensor | None = None
+
+
+class DSparkModel(DraftPreTrainedModel):
+    config_class = DSparkConfig
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        if config.mask_token_id is None:
+            raise ValueError(
+                "mask_token_id is not set: pass the token id whose embedding fills the block's mask slots "
+                "(from_target picks the pad token, or the last vocabulary id)"
+            )
+        self._build_io(config)
+        self.layers = nn.ModuleList([DraftDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        if config.has_markov_head:
+            self.markov_head = MARKOV_HEADS[config.markov_head_type](
+                config.vocab_size, config.hidden_size, config.markov_rank
+            )
+        if config.enable_confidence_head:
+            rank = config.markov_rank if config.confidence_head_with_markov else 0
+            self.confidence_head = ConfidenceHead(config.hidden_size, rank)
+        self.post_init()
+
+    @classmethod
+    def _from_target_defaults(cls, spec: TargetSpec) -> dict:
+        mask = spec.pad_token_id if spec.pad_token_id is not None else spec.vocab_size - 1
+        return {"mask_token_id": int(mask)}
+
+    # -- backbone ---------------------------------------------------------------------------------------------
+
+    def _run_layers(self, hidden, cos, sin, context_kvs, mask) -> torch.Tensor:
+        for layer, context_kv in zip(self.layers, context_kvs):
+            if self.gradient_checkpointing and self.training:
+                hidden = self._gradient_checkpointing_func(layer.__call__, hidden, cos, sin, context_kv, mask)
+            else:
+                hidden = layer(hidden, cos, sin, context_kv, mask)
+        return self.norm(hidden)
+
+    # "auto": flex_attention with a sparse BlockMask on CUDA, the equivalent dense boolean mask elsewhere.
+    block_mask_kind: str = "auto"
+
+    def _use_flex(self, device: torch.device) -> bool:
+        if self.block_mask_kind not in ("auto", "flex", "dense"):
+            raise ValueError(f"block_mask_kind must be 'auto', 'flex' or 'dense', got {self.block_mask_kind!r}")
+        return self.block_mask_kind == "flex" or (self.block_mask_kind == "auto" and device.type == "cuda")
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        context_features: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        anchor_positions: torch.LongTensor | None = None,
+        anchor_mask: torch.BoolTensor | None = None,
+        generator: torch.Generator | None = None,
+        **kwargs,
+    ) -> BlockDraftOutput:
+        """Anchor-block training forward.
+
+        input_ids [B, T]; context_features [B, T, m * d_target] (raw target layer outputs, concatenated);
+        loss_mask [B, T] (1 on supervised tokens; padding must be 0); target_last_hidden [B, T, d_target]
+        (optional: the target's final hidden states, for the distillation terms); attention_mask [B, T]
+        (optional; padding is also excluded through loss_mask). Anchors are sampled unless given.
+        """
+        cfg = self.config
+        K = cfg.block_size
+        if attention_mask is not None:
+            loss_mask = loss_mask * attention_mask
+        if anchor_positions is None:
+            anchor_positions, anchor_mask = sample_anchors(loss_mask, cfg.num_anchors, generator)
+        elif anchor_mask is None:
+            anchor_mask = torch.ones_like(anchor_positions, dtype=torch.bool)
+        batch, seq = input_ids.shape
+        num_anchors = anchor_positions.shape[1]
+        device = input_ids.device
+
+        context = self.project_context(context_features)  # [B, T, d]
+        block_ids = torch.full((batch, num_anchors, K), cfg.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, :, 0] = input_ids.gather(1, anchor_positions)
+        hidden = self.embed(block_ids.flatten(1)).to(context.dtype)  # [B, N*K, d]
+
+        ctx_cos, ctx_sin = self.rotary_emb(torch.arange(seq, device=device).expand(batch, seq), context.dtype)
+        cos, sin = self.rotary_emb(block_positions(anchor_positions, K), context.dtype)
+        if self._use_flex(device):
+            mask = flex_block_mask(anchor_positions, seq, K)
+        else:
+            mask = dense_block_mask(anchor_positions, seq, K)
+        context_kvs = [layer.context_kv(context, ctx_cos, ctx_sin) for layer in self.layers]
+        hidden = self._run_layers(hidden, cos, sin, context_kvs, mask).view(batch, num_anchors, K, -1)
+
+        # Slot j of anchor p: label x_{p+j+1}; previous token x_{p+j}; target state at p+j predicted the label.
+        offsets = torch.arange(K, device=device)
+        slot_pos = anchor_positions[:, :, None] + offsets  # [B, N, K]
+        label_pos = slot_pos + 1
+        in_range = label_pos < seq
+        flat = lambda pos: pos.clamp(max=seq - 1).flatten(1)  # noqa: E731
+        labels = input_ids.gather(1, flat(label_pos)).view_as(label_pos)
+        prev_tokens = input_ids.gather(1, flat(slot_pos)).view_as(slot_pos)
+        supervised = loss_mask.bool().gather(1, flat(label_pos)).view_as(label_pos)
+        eval_mask = (in_range & supervised & anchor_mask[:, :, None]).long().cumprod(dim=-1).bool()
+
+        target_hidden = None
+        if target_last_hidden is not None:
+            index = flat(slot_pos)[:, :, None].expand(-1, -1, target_last_hidden.shape[-1])
+            target_hidden = target_last_hidden.gather(1, index).view(*slot_pos.shape, -1)
+
+        markov_features, confidence_logits = self._heads(hidden, prev_tokens)
+        return BlockDraftOutput(
+            hidden_states=hidden,
+            markov_features=markov_features,
+            confidence_logits=confidence_logits,
+            labels=labels,
+            eval_mask=eval_mask,
+            target_hidden_states=target_hidden,
+            anchor_positions=anchor_positions,
+            anchor_mask=anchor_mask,
+        )
+
+    def _heads(self, hidden: torch.Tensor, prev_tokens: torch.Tensor):
+        """Teacher-forced Markov features and confidence logits for whole blocks."""
+        markov_features = confidence_logits = None
+        prev_embed = None
+        if self.config.has_markov_head:
+            prev_embed = self.markov_head.embed(prev_tokens).to(hidden.dtype)
+            markov_features = self.markov_head._block_features(hidden, prev_embed)
+        if self.config.enable_confidence_head:
+            confidence_logits = self.confidence_head(
+                hidden, prev_embed if self.config.confidence_head_with_markov else None
+            )
+        return markov_features, confidence_logits
+
+    # -- inference --------------------------------------------------------------------------------------------
+
+    def _extend(self, cache: DraftContextCache, features, counts, next_token_ids) -> None:
+        context = self.project_context(features)
+        positions, _ = cache.slots(counts, features.shape[1])
+        cos, sin = self.rotary_emb(positions, context.dtype)
+        for i, layer in enumerate(self.layers):
+            key, value = layer.context_kv(context, cos, sin)
+            cache.write(i, key, value, counts)
+        cache.advance(counts)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        cache: DraftContextCache,
+        anchor_ids: torch.Tensor,
+        *,
+        sampler: TokenSampler | None = None,
+        num_tokens: int | None = None,
+        input_ids: torch.Tensor | None = None,
+        draft_tokens: torch.Tensor | None = None,
+    ) -> DraftProposal:
+        cfg = self.config
+        K = cfg.block_size
+        n = K if num_tokens is None else num_tokens
+        if not 1 <= n <= K:
+            raise ValueError(f"num_tokens must be between 1 and block_size={K}, got {n}")
+        sampler = sampler or TokenSampler()
+        rows = anchor_ids.shape[0]
+        device = anchor_ids.device
+        block_ids = torch.full((rows, K), cfg.mask_token_id, dtype=torch.long, device=device)
+        block_ids[:, 0] = anchor_ids
+        dtype = self.fc.weight.dtype
+        hidden = self.embed(block_ids).to(dtype)
+        positions = cache.lengths[:, None] + torch.arange(K, device=device)
+        cos, sin = self.rotary_emb(positions, dtype)
+        length = cache.max_length
+        mask = torch.cat(
+            [cache.key_mask(length)[:, None, :].expand(rows, K, length), hidden.new_ones(rows, K, K, dtype=torch.bool)],
+            dim=-1,
+        ).unsqueeze(1)
+        context_kvs = [cache.layer_kv(i, length) for i in range(len(self.layers))]
+        hidden = self._run_layers(hidden, cos, sin, context_kvs, mask)[:, :n]
+        return self._sample_block(hidden, anchor_ids, sampler, input_ids, draft_tokens)
+
+    def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens) -> DraftProposal:
+        """Left-to-right sampling through the Markov head (a no-op loop for DFlash)."""
+        cfg = self.config
+        base_logits = self.draft_logits(hidden) if not cfg.has_markov_head else None
+        prev = anchor_ids
+        state = self.markov_head.init_state(hidden[:, 0]) if cfg.has_markov_head else None
+        tokens, probs, logits, conf_logits = [], [], [], []
+        for k in range(hidden.shape[1]):
+            h_k = hidden[:, k]
+            prev_embed = None
+            if cfg.has_markov_head:
+                prev_embed = self.markov_head.embed(prev).to(h_k.dtype)
+                z, state = self.markov_head.step(h_k, prev_embed, state)
+                step_logits = self.draft_logits(h_k, z)
+            else:
+                step_logits = base_logits[:, k]
+            if cfg.enable_confidence_head:
+                conf_logits.append(
+                    self.confidence_head(h_k, prev_embed if cfg.confidence_head_with_markov else None).float()
+                )
+            p_k, x_k = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, k)
+            tokens.append(x_k)
+            probs.append(p_k)
+            logits.append(step_logits.float())
+            prev = x_k
+        confidences = confidence_logits = None
+        if conf_logits:
+            confidence_logits = torch.stack(conf_logits, dim=1)
+            confidences = calibrated_confidence(confidence_logits, cfg.confidence_temperatures)
+        return DraftProposal(
+            tokens=torch.stack(tokens, dim=1),
+            probs=torch.stack(probs, dim=1),
+            logits=torch.stack(logits, dim=1),
+            confidences=confidences,
+            confidence_logits=confidence_logits,
+        )
+
+
+def calibrated_confidence(confidence_logits: torch.Tensor, temperatures: list[float] | None) -> torch.Tensor:
+    """c_k = sigmoid(logit_k / T_k) with the draft's STS temperatures (T = 1 when uncalibrated)."""
+    if temperatures is not None:
+        temps = torch.tensor(temperatures[: confidence_logits.shape[-1]], device=confidence_logits.device)
+        confidence_logits = confidence_logits / temps
+    return torch.sigmoid(confidence_logits)
+
+
+__all__ = ["DSparkModel", "BlockDraftOutput", "calibrated_confidence"]

@@ -1,0 +1,259 @@
+"""Eagle3 draft: one decoder layer over [embed(token); hidden], trained with training-time test (TTT).
+
+Indexing used throughout (position t of a sequence x_0..x_{T-1}):
+  step 0:  input (token x_{t+1}, g = fc(target features at t)); output o^0_t predicts x_{t+2}
+  step j:  input (token x_{t+1+j}, g = o^{j-1}_t);               output o^j_t predicts x_{t+2+j}
+The step-j query at t sits at RoPE position t + j and attends to step-0 entries at positions <= t and to its
+own entries from steps 1..j. Step j is distilled from the target's distribution at position t+1+j.
+At inference the committed positions are step-0 entries (their "next token" is known once committed; the
+last one pairs with the anchor), and draft step j reuses the same rule from the last committed position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.utils import ModelOutput
+
+from ...generation.sampling import TokenSampler
+from ..backbone import DraftAttention, DraftMLP, DraftRMSNorm, attend
+from ..context_cache import DraftContextCache
+from ..modeling_draft import DraftPreTrainedModel, DraftProposal
+from .configuration_eagle3 import Eagle3Config
+
+
+@dataclass
+class Eagle3Output(ModelOutput):
+    """Training-forward output (J TTT steps, B rows, T positions).
+
+    hidden_states [J, B, T, d]: final-normed draft states per step; labels [J, B, T]; eval_mask bool [J, B, T];
+    target_hidden_states [J, B, T, d_target] or None: the target's final hidden state that predicted each label.
+    """
+
+    hidden_states: torch.FloatTensor | None = None
+    labels: torch.LongTensor | None = None
+    eval_mask: torch.BoolTensor | None = None
+    target_hidden_states: torch.FloatTensor | None = None
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, config: Eagle3Config, layer_idx: int = 0):
+        super().__init__()
+        self.config = config
+        self.self_attn = DraftAttention(config, layer_idx, input_size=2 * config.hidden_size)
+        self.mlp = DraftMLP(config)
+        self.hidden_norm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (attention input [.., 2d], residual [.., d])."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.config.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        hidden = residual + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Model(DraftPreTrainedModel):
+    config_class = Eagle3Config
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__(config)
+        self._build_io(config, context_norm=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(config, 0)])
+        self.post_init()
+
+    @classmethod
+    def _block_size_field(cls) -> str:
+        return "ttt_length"
+
+    @property
+    def layer(self) -> Eagle3DecoderLayer:
+        return self.layers[0]
+
+    # -- training ---------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        context_features: torch.Tensor,
+        loss_mask: torch.Tensor,
+        target_last_hidden: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        ttt_length: int | None = None,
+        **kwargs,
+    ) -> Eagle3Output:
+        """TTT unroll over all positions at once. Shapes as in [`DSparkModel.forward`]."""
+        steps = ttt_length or self.config.ttt_length
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        if attention_mask is not None:
+            loss_mask = loss_mask * attention_mask
+        attn = self.layer.self_attn
+        g = self.project_context(context_features)  # [B, T, d]
+        dtype = g.dtype
+        positions = torch.arange(seq, device=device).expand(batch, seq)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        if attention_mask is not None:
+            causal = causal[None] & attention_mask.bool()[:, None, :]
+        else:
+            causal = causal[None]
+
+        keys, values, outputs = [], [], []
+        for j in range(steps):
+            tokens = _shift(input_ids, 1 + j)
+            x, residual = self.layer.inputs(self.embed(tokens).to(dtype), g)
+            cos, sin = self.rotary_emb(positions + j, dtype)
+            query = attn.project_q(x, cos, sin)
+            key, value = attn.project_kv(x, cos, sin)
+            keys.append(key)
+            values.append(value)
+            out = _ttt_attention(attn, query, keys, values, causal)
+            g = self.layer.finish(residual, attn.o_proj(out))
+            outputs.append(self.norm(g))
+
+        # Labels and masks per step: step j at t predicts x_{t+2+j} from the target state at t+1+j.
+        labels, masks, targets = [], [], []
+        lm = loss_mask.bool()
+        for j in range(steps):
+            labels.append(_shift(input_ids, 2 + j))
+            masks.append(_shift(lm, 2 + j, fill=False))
+            if target_last_hidden is not None:
+                targets.append(_shift(target_last_hidden, 1 + j))
+        return Eagle3Output(
+            hidden_states=torch.stack(outputs),
+            labels=torch.stack(labels),
+            eval_mask=torch.stack(masks),
+            target_hidden_states=torch.stack(targets) if targets else None,
+        )
+
+    # -- inference --------------------------------------------------------------------------------------------
+
+    def _extend(self, cache: DraftContextCache, features, counts, next_token_ids) -> None:
+        if next_token_ids is None:
+            raise ValueError("Eagle3 needs next_token_ids: the token that follows each committed position")
+        attn = self.layer.self_attn
+        g = self.project_context(features)
+        dtype = g.dtype
+        width = features.shape[1]
+        positions, real = cache.slots(counts, width)
+        cos, sin = self.rotary_emb(positions, dtype)
+        x, residual = self.layer.inputs(self.embed(next_token_ids).to(dtype), g)
+        query = attn.project_q(x, cos, sin)
+        key, value = attn.project_kv(x, cos, sin)
+        length = cache.max_length
+        old_k, old_v = cache.layer_kv(0, length)
+        causal = torch.ones(width, width, dtype=torch.bool, device=g.device).tril()
+        mask = torch.cat(
+            [
+                cache.key_mask(length)[:, None, :].expand(-1, width, -1),
+                causal[None] & real[:, None, :],
+            ],
+            dim=-1,
+        ).unsqueeze(1)
+        out = attend(attn, query, torch.cat([old_k, key], 2), torch.cat([old_v, value], 2), mask, _impl(self))
+        out = self.layer.finish(residual, attn.o_proj(out))
+        last = (counts - 1).clamp(min=0)
+        new_last = out[torch.arange(out.shape[0], device=out.device), last]
+        previous = cache.state.get("last_hidden")
+        if previous is not None:
+            new_last = torch.where((counts > 0)[:, None], new_last, previous)
+        cache.state["last_hidden"] = new_last
+        cache.write(0, key, value, counts)
+        cache.advance(counts)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        cache: DraftContextCache,
+        anchor_ids: torch.Tensor,
+        *,
+        sampler: TokenSampler | None = None,
+        num_tokens: int | None = None,
+        input_ids: torch.Tensor | None = None,
+        draft_tokens: torch.Tensor | None = None,
+    ) -> DraftProposal:
+        if "last_hidden" not in cache.state:
+            raise RuntimeError("extend_context must run (with the prompt's features) before propose")
+        n = self.config.ttt_length if num_tokens is None else num_tokens
+        if n < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {n}")
+        sampler = sampler or TokenSampler()
+        attn = self.layer.self_attn
+        hidden = cache.state["last_hidden"]  # o^0 at the last committed position
+        rows = hidden.shape[0]
+        dtype = hidden.dtype
+        length = cache.max_length
+        ctx_k, ctx_v = cache.layer_kv(0, length)
+        ctx_mask = cache.key_mask(length)
+        base = cache.lengths - 1
+        draft_k, draft_v = [], []
+        tokens, probs, logits = [], [], []
+        for j in range(n):
+            if j > 0:
+                x, residual = self.layer.inputs(self.embed(tokens[-1]).to(dtype)[:, None], hidden[:, None])
+                cos, sin = self.rotary_emb((base + j)[:, None], dtype)
+                query = attn.project_q(x, cos, sin)
+                key, value = attn.project_kv(x, cos, sin)
+                draft_k.append(key)
+                draft_v.append(value)
+                mask = torch.cat([ctx_mask, ctx_mask.new_ones(rows, j)], dim=-1)[:, None, None, :]
+                out = attend(
+                    attn,
+                    query,
+                    torch.cat([ctx_k, *draft_k], 2),
+                    torch.cat([ctx_v, *draft_v], 2),
+                    mask,
+                    _impl(self),
+                )
+                hidden = self.layer.finish(residual, attn.o_proj(out))[:, 0]
+            step_logits = self.draft_logits(self.norm(hidden))
+            p_j, x_j = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, j)
+            tokens.append(x_j)
+            probs.append(p_j)
+            logits.append(step_logits.float())
+        return DraftProposal(
+            tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1), logits=torch.stack(logits, dim=1)
+        )
+
+
+def _impl(model: nn.Module) -> str:
+    return model.config._attn_implementation or "sdpa"
+
+
+def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """out[:, t] = x[:, t + k] (dim 1), `fill` past the end."""
+    out = torch.full_like(x, fill)
+    if k < x.shape[1]:
+        out[:, : x.shape[1] - k] = x[:, k:]
+    return out
+
+
+def _ttt_attention(attn: DraftAttention, query, keys, values, causal) -> torch.Tensor:
+    """Step-j attention: causal over step-0 entries plus the diagonal (same position) of steps 1..j.
+
+    query [B, H, T, hd]; keys/values: lists of [B, KV, T, hd] for steps 0..j; causal bool [B|1, T, T].
+    Computed explicitly (scores [B, H, T, T] + j diagonal scores) instead of a T x (j+1)T mask.
+    """
+    groups = attn.num_key_value_groups
+    expand = lambda t: t.repeat_interleave(groups, dim=1) if groups > 1 else t  # noqa: E731
+    q = query.float()
+    scores0 = torch.matmul(q, expand(keys[0]).float().transpose(-1, -2)) * attn.scaling
+    scores0 = scores0.masked_fill(~causal[:, None], float("-inf"))
+    diag = [(q * expand(k).float()).sum(-1, keepdim=True) * attn.scaling for k in keys[1:]]
+    scores = torch.cat([scores0, *diag], dim=-1)
+    weights = torch.softmax(scores, dim=-1)
+    seq = scores0.shape[-1]
+    out = torch.matmul(weights[..., :seq], expand(values[0]).float())
+    for i, v in enumerate(values[1:]):
+        out = out + weights[..., seq + i : seq + i + 1] * expand(v).float()
+    out = out.to(query.dtype).transpose(1, 2)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+__all__ = ["Eagle3Model", "Eagle3Output", "Eagle3DecoderLayer"]

