@@ -1,0 +1,197 @@
+"""The anchor-block attention rule and the training/inference agreement of every drafter."""
+
+import pytest
+import torch
+
+from hf_dspark import DFlashModel, DSparkModel, Eagle3Model, TokenSampler, target_features
+from hf_dspark.models.anchors import dense_block_mask, sample_anchors
+
+from conftest import make_tiny_target
+
+BLOCK = 4
+
+
+def trained_looking(draft):
+    """Random draft weights away from the init (the Markov bias starts at zero)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return draft.eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return make_tiny_target("qwen3")
+
+
+def block_draft(cls, target, **kw):
+    return trained_looking(cls.from_target(target, num_hidden_layers=2, block_size=BLOCK, **kw))
+
+
+def inputs(target, layer_ids, seq=24, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, target.config.vocab_size, (batch, seq), generator=g)
+    feats, last = target_features(target, ids, layer_ids)
+    return ids, feats, last
+
+
+@pytest.mark.parametrize("cls", [DSparkModel, DFlashModel], ids=lambda c: c.__name__)
+def test_block_sees_only_context_before_its_anchor_and_its_own_slots(cls, qwen3):
+    draft = block_draft(cls, qwen3)
+    ids, feats, last = inputs(qwen3, draft.config.target_layer_ids)
+    anchors = torch.tensor([[6, 12, 17]])
+    lm = torch.ones_like(ids)
+    ref = draft(ids, feats, lm, anchor_positions=anchors).hidden_states[0, 1]  # block anchored at 12
+
+    def block_after(ids2, feats2):
+        return draft(ids2, feats2, lm, anchor_positions=anchors).hidden_states[0, 1]
+
+    # Context at or after the anchor: no effect.
+    f = feats.clone()
+    f[:, 12:] += torch.randn_like(f[:, 12:])
+    torch.testing.assert_close(block_after(ids, f), ref)
+    # Another block's slots (its anchor token): no effect.
+    i2 = ids.clone()
+    i2[0, 6] = (i2[0, 6] + 1) % 96
+    i2[0, 17] = (i2[0, 17] + 1) % 96
+    torch.testing.assert_close(block_after(i2, feats), ref)
+    # Context strictly before the anchor: changes the block.
+    f = feats.clone()
+    f[:, 11] += 1.0
+    assert not torch.allclose(block_after(ids, f), ref)
+    f = feats.clone()
+    f[:, 0] += 1.0
+    assert not torch.allclose(block_after(ids, f), ref)
+    # Its own anchor token changes it (slots see each other bidirectionally).
+    i3 = ids.clone()
+    i3[0, 12] = (i3[0, 12] + 1) % 96
+    assert not torch.allclose(block_after(i3, feats), ref)
+
+
+def test_eagle3_step_outputs_are_causal(qwen3):
+    draft = trained_looking(Eagle3Model.from_target(qwen3, block_size=3))
+    ids, feats, last = inputs(qwen3, draft.config.target_layer_ids)
+    lm = torch.ones_like(ids)
+    ref = draft(ids, feats, lm).hidden_states[:, 0, 10]  # all steps at position 10
+    f = feats.clone()
+    f[:, 11:] += torch.randn_like(f[:, 11:])
+    i2 = ids.clone()
+    i2[0, 11 + 3 :] = 3  # tokens beyond what steps 0..2 at t=10 read (x_{t+1..t+3})
+    torch.testing.assert_close(draft(i2, f, lm).hidden_states[:, 0, 10], ref)
+    f = feats.clone()
+    f[:, 10] += 1.0
+    assert not torch.allclose(draft(ids, f, lm).hidden_states[:, 0, 10], ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("cls", [DSparkModel, DFlashModel], ids=lambda c: c.__name__)
+def test_training_logits_equal_incremental_inference(cls, family):
+    """For a given anchor, the training forward and the cached inference path give the same logits."""
+    target = make_tiny_target(family)
+    draft = block_draft(cls, target)
+    ids, feats, last = inputs(target, draft.config.target_layer_ids, batch=2, seed=3)
+    anchors = torch.tensor([[9, 3], [14, 5]])
+    train = draft(ids, feats, torch.ones_like(ids), target_last_hidden=last, anchor_positions=anchors)
+    train_logits = draft.draft_logits(train.hidden_states[:, 0], train.markov_features[:, 0]
+                                      if train.markov_features is not None else None)
+
+    # Inference: ragged requests (context lengths 9 and 14), context added in two increments.
+    cache = draft.new_context_cache(2, capacity=4)  # forces the cache to grow
+    valid = torch.zeros(2, 6, dtype=torch.bool)
+    valid[0, :4], valid[1, :6] = True, True
+    draft.extend_context(cache, feats[:, :6], valid)
+    second = torch.zeros(2, 8, dtype=torch.bool)
+    second[0, :5], second[1, :8] = True, True
+    rest = torch.stack([feats[0, 4:12], feats[1, 6:14]])
+    draft.extend_context(cache, rest, second)
+    assert cache.lengths.tolist() == [9, 14]
+    forced = torch.stack([ids[0, 10:10 + BLOCK], ids[1, 15:15 + BLOCK]])
+    prop = draft.propose(cache, torch.stack([ids[0, 9], ids[1, 14]]), draft_tokens=forced)
+    torch.testing.assert_close(prop.logits, train_logits.float(), rtol=1e-4, atol=1e-4)
+    if train.confidence_logits is not None:
+        torch.testing.assert_close(prop.confidence_logits, train.confidence_logits[:, 0].float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prop.tokens, forced)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_eagle3_training_steps_equal_incremental_inference(family):
+    target = make_tiny_target(family)
+    draft = trained_looking(Eagle3Model.from_target(target, block_size=4))
+    ids, feats, last = inputs(target, draft.config.target_layer_ids, batch=2, seed=5)
+    train = draft(ids, feats, torch.ones_like(ids), target_last_hidden=last)
+    anchors = [9, 13]
+    cache = draft.new_context_cache(2)
+    valid = torch.zeros(2, 13, dtype=torch.bool)
+    for r, p in enumerate(anchors):
+        valid[r, :p] = True
+    # Position t pairs with the token after it: x_{t+1}; the last committed position pairs with the anchor.
+    draft.extend_context(cache, feats[:, :13], valid, next_token_ids=ids[:, 1:14])
+    forced = torch.stack([ids[r, p + 1 : p + 5] for r, p in enumerate(anchors)])
+    prop = draft.propose(cache, torch.tensor([ids[0, 9], ids[1, 13]]), draft_tokens=forced)
+    for r, p in enumerate(anchors):
+        expected = draft.draft_logits(train.hidden_states[:, r, p - 1])  # steps 0..3 at t = p - 1
+        torch.testing.assert_close(prop.logits[r], expected.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_markov_heads_agree_between_teacher_forcing_and_sampling(head, qwen3):
+    draft = block_draft(DSparkModel, qwen3, markov_head_type=head, markov_rank=8)
+    ids, feats, last = inputs(qwen3, draft.config.target_layer_ids)
+    train = draft(ids, feats, torch.ones_like(ids), anchor_positions=torch.tensor([[10]]))
+    cache = draft.new_context_cache(1)
+    draft.extend_context(cache, feats[:, :10])
+    # Sample, then check the sampled tokens' logits against a teacher-forced forward on those tokens.
+    sampler = TokenSampler(generator=torch.Generator().manual_seed(0))
+    prop = draft.propose(cache, ids[:, 10], sampler=sampler)
+    ids2 = ids.clone()
+    ids2[0, 11 : 11 + BLOCK] = prop.tokens[0]
+    forced = draft(ids2, feats, torch.ones_like(ids), anchor_positions=torch.tensor([[10]]))
+    expected = draft.draft_logits(forced.hidden_states[0, 0], forced.markov_features[0, 0])
+    torch.testing.assert_close(prop.logits[0], expected.float(), rtol=1e-4, atol=1e-4)
+    assert train.markov_features.shape[-1] == 8
+    # The distribution a token was drawn from is the softmax of its logits (temperature 1, no warpers).
+    torch.testing.assert_close(prop.probs, torch.softmax(prop.logits, -1))
+
+
+def test_anchor_sampling_respects_loss_mask_and_is_sorted():
+    lm = torch.zeros(3, 30, dtype=torch.long)
+    lm[0, 5:25] = 1
+    lm[1, 10:13] = 1  # only 2 candidates (10, 11)
+    g = torch.Generator().manual_seed(0)
+    pos, valid = sample_anchors(lm, num_anchors=8, generator=g)
+    assert pos.shape == (3, 8)
+    assert valid[0].all() and valid[1].sum() == 2 and not valid[2].any()
+    assert set(pos[1][valid[1]].tolist()) == {10, 11}
+    for r in range(3):
+        p = pos[r][valid[r]]
+        assert torch.all(p[1:] > p[:-1])
+        assert torch.all(lm[r, p] == 1) and torch.all(lm[r, p + 1] == 1)
+
+
+def test_dense_mask_layout():
+    mask = dense_block_mask(torch.tensor([[2, 5]]), context_len=6, block_size=2)[0, 0]
+    assert mask.shape == (4, 10)
+    assert mask[0, :6].tolist() == [True, True, False, False, False, False]
+    assert mask[2, :6].tolist() == [True] * 5 + [False]
+    assert mask[0, 6:].tolist() == [True, True, False, False]
+    assert mask[3, 6:].tolist() == [False, False, True, True]
+
+
+@pytest.mark.slow
+def test_flex_block_mask_matches_dense_mask(qwen3):
+    """flex_attention (sparse BlockMask, used on CUDA) and the dense SDPA path give the same outputs.
+
+    flex_attention also runs on CPU (compiled), which is where this test checks it."""
+    draft = block_draft(DSparkModel, qwen3)
+    ids, feats, last = inputs(qwen3, draft.config.target_layer_ids, batch=2, seq=40)
+    anchors = torch.tensor([[3, 11, 20, 33], [0, 8, 9, 30]])
+    lm = torch.ones_like(ids)
+    with torch.no_grad():  # flex_attention has no CPU backward; the forward is what is compared
+        draft.block_mask_kind = "dense"
+        dense = draft(ids, feats, lm, anchor_positions=anchors)
+        draft.block_mask_kind = "flex"
+        flex = draft(ids, feats, lm, anchor_positions=anchors)
+    torch.testing.assert_close(flex.hidden_states, dense.hidden_states, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(flex.confidence_logits, dense.confidence_logits, rtol=1e-4, atol=1e-4)

