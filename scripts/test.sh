@@ -8,4 +8,4 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[dev]"
-python -m pytest -n 2 --timeout 1800 -q "$@"
+OMP_NUM_THREADS=1 python -m pytest -n 2 --timeout 1800 -q "$@"

@@ -30,6 +30,8 @@ class DraftConfig(PreTrainedConfig):
         embedding_multiplier (`float`): factor applied to token embeddings (sqrt(hidden) for Gemma targets).
         final_logit_softcapping (`float`, *optional*): tanh soft-capping of logits, as in the target.
         target_model_type / target_name_or_path (`str`): identity of the target the draft was built for.
+        target_config_hash / target_weights_fingerprint (`str`): sha256 of the target's architecture facts and of a
+            sample of its weights (filled by `from_target`; caches and decoding refuse a different target).
     """
 
     model_type = "hf_dspark_draft"
@@ -59,6 +61,8 @@ class DraftConfig(PreTrainedConfig):
 
     target_model_type: str | None = None
     target_name_or_path: str | None = None
+    target_config_hash: str | None = None
+    target_weights_fingerprint: str | None = None
     target_hidden_size: int | None = None
     num_target_layers: int | None = None
     target_layer_ids: list[int] | None = None

@@ -21,7 +21,7 @@ from ..generation.sampling import TokenSampler
 from .backbone import DraftRMSNorm, DraftRotary, check_feature_width, softcap
 from .configuration_draft import DraftConfig
 from .context_cache import DraftContextCache, pack_left
-from .target import TargetSpec, default_target_layer_ids
+from .target import TargetSpec, default_target_layer_ids, target_config_hash, target_weights_fingerprint
 
 DEFAULT_NUM_TARGET_FEATURES = 5
 
@@ -126,6 +126,8 @@ class DraftPreTrainedModel(PreTrainedModel):
             else default_target_layer_ids(spec.num_hidden_layers, DEFAULT_NUM_TARGET_FEATURES)
         )
         kwargs["target_name_or_path"] = spec.name_or_path or None
+        kwargs["target_config_hash"] = target_config_hash(target.config)
+        kwargs["target_weights_fingerprint"] = target_weights_fingerprint(target)
         if num_hidden_layers is not None:
             kwargs["num_hidden_layers"] = num_hidden_layers
         if block_size is not None:

