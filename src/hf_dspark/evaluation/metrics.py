@@ -255,19 +255,41 @@ def fit_sts_temperatures(records, num_slots: int, grid=DEFAULT_STS_GRID, n_bins:
     For k = 1..K, choose T_k on `grid` minimizing the ECE of prod_{i<=k} sigmoid(logit_i / T_i) against
     "first k slots all accepted", with T_1..T_{k-1} fixed. `records` as in AcceptanceStats.confidence_records
     (held-out rollouts). Slots without data keep T = 1.
+
+    Equivalent to scoring `slot_calibration_data(records, k, temps + [t], kind="survival")` for every grid
+    value, computed on arrays: the fixed slots' product is kept once instead of being rebuilt per grid value.
     """
+    logits, accepted, proposed = _survival_arrays(records, num_slots)
+    prefix = np.ones(len(accepted))  # prod_{i<k} sigmoid(logit_i / T_i), the slots already fixed
     temps: list[float] = []
     for slot in range(num_slots):
+        rows = proposed > slot
+        if not rows.any():  # no round proposed this slot (nor any later one)
+            temps += [1.0] * (num_slots - slot)
+            break
+        fixed, slot_logits, outcome = prefix[rows], logits[rows, slot], accepted[rows] > slot
         best_t, best_ece = 1.0, float("inf")
         for t in grid:
-            pred, out = slot_calibration_data(records, slot, temps + [t], kind="survival")
-            if pred.size == 0:
-                break
-            ece = expected_calibration_error(pred, out, n_bins)
+            ece = expected_calibration_error(fixed * (1.0 / (1.0 + np.exp(-slot_logits / t))), outcome, n_bins)
             if ece < best_ece - 1e-12:
                 best_t, best_ece = t, ece
         temps.append(float(best_t))
+        prefix = prefix * (1.0 / (1.0 + np.exp(-logits[:, slot] / best_t)))
     return temps
+
+
+def _survival_arrays(records, num_slots: int):
+    """Confidence records -> (logits [N, num_slots] of the clipped confidences (0 past `proposed`),
+    accepted [N], proposed [N]); the clipping is `_apply_temperatures`'s."""
+    eps = 1e-7
+    logits = np.zeros((len(records), num_slots), dtype=np.float64)
+    accepted = np.zeros(len(records), dtype=np.int64)
+    proposed = np.zeros(len(records), dtype=np.int64)
+    for row, (conf, acc, prop) in enumerate(records):
+        c = np.clip(np.asarray(conf[: min(prop, num_slots)], dtype=np.float64), eps, 1 - eps)
+        logits[row, : len(c)] = np.log(c) - np.log1p(-c)
+        accepted[row], proposed[row] = acc, prop
+    return logits, accepted, proposed
 
 
 __all__ = [

@@ -1,0 +1,152 @@
+"""`hf-dspark eval`: compare drafts on prompt files (tau, acceptance by position, calibration, speed).
+
+    hf-dspark eval --draft runs/dspark --draft runs/dflash --data gsm8k.jsonl --data mt-bench.jsonl \
+        --num_prompts 80 --max_new_tokens 256 --temperature 0 1 --output_dir eval_out
+
+writes eval_out/results.json, results.md, reliability.json and PNG plots (see `evaluate_drafts`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="evaluate drafts: tau, acceptance by position, calibration, tokens/s vs. the target alone",
+        description=(
+            "Speculative decoding of each draft over each {\"turns\": [...]} JSONL prompt file (first turn, target "
+            "chat template, the first --num_prompts rows): tau, conditional acceptance by position, verify "
+            "efficiency, per-slot confidence calibration (ECE/AUROC/Brier, before/after STS) and wall-clock "
+            "tokens/s against target.generate() alone. Writes results.json, results.md and PNG plots."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--target", default=None,
+                        help="target model folder (default: the embedded SmolLM2-135M-Instruct, "
+                             "hf_dspark.resources.default_target_path())")
+    parser.add_argument("--draft", action="append", required=True, metavar="[NAME=]PATH",
+                        help="draft folder (save_pretrained); repeat to compare drafts side by side. Named by the "
+                             "config's model_type, or the folder name when two share one, unless NAME= is given")
+    parser.add_argument("--data", action="append", required=True, metavar="[NAME=]FILE",
+                        help="{\"turns\": [...]} JSONL prompt file; repeat for several datasets (named by file stem)")
+    parser.add_argument("--num_prompts", type=int, default=80,
+                        help="use the first N prompts of every file (0: all)")
+    parser.add_argument("--max_new_tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                        help="sampling temperature(s); 0 = greedy. Several values give rows for each")
+    parser.add_argument("--top_k", type=int, default=0, help="top-k filtering when sampling (0: off)")
+    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus filtering when sampling (1.0: off)")
+    parser.add_argument("--batch_size", type=int, default=1,
+                        help="prompts per generate() call (left padded), for the target alone and the drafts")
+    parser.add_argument("--seed", type=int, default=0, help="generate() call i is seeded with seed + i")
+    parser.add_argument("--generate_kwargs", type=json.loads, default=None, metavar="JSON",
+                        help="extra generate() arguments for the draft runs only, as a JSON object "
+                             "(e.g. confidence-scheduler options)")
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights dtype of target and drafts (auto: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--n_bins", type=int, default=15, help="bins of the expected calibration error")
+    parser.add_argument("--output_dir", required=True, help="folder for results.json, results.md and plots")
+    parser.add_argument("--no_warmup", action="store_true", help="skip the untimed warm-up generate() calls")
+    parser.add_argument("--no_plots", action="store_true", help="write JSON and markdown only")
+    parser.add_argument("--no_progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run_eval)
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as typed when run from a shell; otherwise the equivalent command rebuilt from `args`."""
+    if sys.argv[1:2] == ["eval"]:
+        return shlex.join(["hf-dspark", *sys.argv[1:]])
+    parts = ["hf-dspark", "eval"]
+    if args.target:
+        parts += ["--target", args.target]
+    for d in args.draft:
+        parts += ["--draft", d]
+    for d in args.data:
+        parts += ["--data", d]
+    parts += ["--num_prompts", str(args.num_prompts), "--max_new_tokens", str(args.max_new_tokens),
+              "--temperature", *[f"{t:g}" for t in args.temperature]]
+    if args.top_k:
+        parts += ["--top_k", str(args.top_k)]
+    if args.top_p < 1:
+        parts += ["--top_p", f"{args.top_p:g}"]
+    parts += ["--batch_size", str(args.batch_size), "--seed", str(args.seed), "--device", args.device,
+              "--dtype", args.dtype, "--output_dir", args.output_dir]
+    if args.generate_kwargs:
+        parts += ["--generate_kwargs", json.dumps(args.generate_kwargs)]
+    parts += [flag for flag, on in (("--no_warmup", args.no_warmup), ("--no_plots", args.no_plots)) if on]
+    return shlex.join(parts)
+
+
+def _named_files(specs: list[str]) -> dict[str, str]:
+    from .runner import dataset_name
+
+    files = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or Path(spec).exists():
+            name, path = dataset_name(spec), spec
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"prompt file {path} does not exist (expected a {{\"turns\": [...]}} JSONL file)")
+        if name in files:
+            raise ValueError(f"two prompt files are both named {name!r}: name them explicitly with NAME=FILE")
+        files[name] = path
+    return files
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    import hf_dspark  # noqa: F401  (routes generate(assistant_model=draft) through hf_dspark)
+
+    from .runner import evaluate_drafts, load_drafts, load_target
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.generate_kwargs is not None and not isinstance(args.generate_kwargs, dict):
+        raise SystemExit("--generate_kwargs must be a JSON object, e.g. '{\"num_assistant_tokens\": 5}'")
+    datasets = _named_files(args.data)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+    device = "cpu" if device == "auto" else device
+    target_path, target_name = args.target, args.target
+    if target_path is None:
+        from ..resources import DEFAULT_TARGET_NAME, default_target_path
+
+        target_path, target_name = str(default_target_path()), DEFAULT_TARGET_NAME
+    target, tokenizer = load_target(target_path, device=device, dtype=args.dtype)
+    drafts = load_drafts(args.draft, target)
+    results = evaluate_drafts(
+        target,
+        tokenizer,
+        drafts,
+        datasets,
+        num_prompts=args.num_prompts or None,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        output_dir=args.output_dir,
+        generate_kwargs=args.generate_kwargs,
+        warmup=not args.no_warmup,
+        progress=not args.no_progress,
+        n_bins=args.n_bins,
+        plots=not args.no_plots,
+        command=_command_line(args),
+        target_name=target_name,
+    )
+    from .report import results_markdown
+
+    print(results_markdown(results))
+    print(f"wrote {Path(args.output_dir) / 'results.json'}")
+    return 0
+
+
+__all__ = ["register", "run_eval"]

@@ -1,0 +1,537 @@
+"""`evaluate_drafts`: speculative decoding over prompt files, per (drafter, dataset, temperature).
+
+For each dataset the same fixed prompt subset (the first N rows, first turn, rendered with the target's chat
+template and `add_generation_prompt=True`) is decoded
+
+- by the target alone (`target.generate()`, no draft), once per dataset and temperature; reused by all drafters;
+- by the target with each draft (`target.generate(..., assistant_model=draft)`).
+
+Both use identical generation settings and per-batch seeds, a warm-up call before timing, and timers that
+synchronize the accelerator, so tokens/s and speedup compare like with like. Acceptance statistics come from the
+decoding loop's per-call `AcceptanceStats` (the one metric definition, `metrics.py`), read by the single
+adapter `generation_stats`; calibration is computed from the confidences recorded there (`calibration.py`).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .calibration import calibration_summary, uncalibrate_records
+from .metrics import AcceptanceStats
+from .report import save_results
+
+logger = logging.getLogger(__name__)
+
+
+# -- prompts --------------------------------------------------------------------------------------------------
+
+
+def load_eval_prompts(path: str | Path, num_prompts: int | None = None) -> list[str]:
+    """First turns of the first `num_prompts` rows of a `{"turns": [...]}` JSONL file (all rows when None)."""
+    from ..data.regenerate import read_prompts
+
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1 (or None for every prompt), got {num_prompts}")
+    prompts = read_prompts(path)
+    if num_prompts is not None and len(prompts) < num_prompts:
+        logger.warning("%s has only %d prompts (asked for %d): using all of them", path, len(prompts), num_prompts)
+    return [p.turns[0] for p in prompts[:num_prompts]]
+
+
+def render_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each prompt as a one-turn chat with the generation prompt appended."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "the tokenizer has no chat template: evaluation prompts are chats; set `tokenizer.chat_template` to the "
+            "target's template (or save the target folder with its tokenizer)"
+        )
+    rendered = []
+    for text in prompts:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
+            ids = ids["input_ids"]
+        rendered.append([int(i) for i in ids])
+    return rendered
+
+
+def dataset_name(path: str | Path) -> str:
+    """gsm8k.jsonl -> gsm8k."""
+    name = Path(path).name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+# -- loading models (used by the CLI; the Python API takes model objects) --------------------------------------
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
+
+
+def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto"):
+    """(target, tokenizer) from a local folder; left padding and a pad token for batched generation."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device)
+    if not Path(path).exists():
+        raise FileNotFoundError(
+            f"target {path} does not exist: pass a local model folder (hf_dspark.resources.default_target_path() "
+            "gives the embedded SmolLM2-135M-Instruct)"
+        )
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device)).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return target, tokenizer
+
+
+def load_drafts(specs: Sequence[str], target: nn.Module) -> dict[str, nn.Module]:
+    """Load drafts given as `PATH` or `NAME=PATH`, on the target's device and dtype.
+
+    Unnamed drafts are called by their config's model_type (dspark, dflash, eagle3); when two share a
+    model_type, each is called by its folder name instead.
+    """
+    from transformers import AutoConfig, AutoModel
+
+    from .. import models  # noqa: F401  (registers the drafters with AutoConfig/AutoModel)
+
+    parsed = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or Path(spec).exists():
+            name, path = None, spec
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"draft {path} is not a folder: pass a folder written by draft.save_pretrained()")
+        config = AutoConfig.from_pretrained(path)
+        if not hasattr(config, "num_draft_tokens"):
+            raise ValueError(
+                f"{path} holds a {config.model_type!r} model, not a draft: expected one of dspark, dflash, eagle3"
+            )
+        parsed.append((name, path, config.model_type))
+    types = [t for n, _, t in parsed if n is None]
+    param = target.get_input_embeddings().weight
+    drafts: dict[str, nn.Module] = {}
+    for name, path, model_type in parsed:
+        if name is None:
+            name = model_type if types.count(model_type) == 1 else Path(path).resolve().name
+        if name in drafts:
+            raise ValueError(f"two drafts are both named {name!r}: name them explicitly with NAME=PATH")
+        draft = AutoModel.from_pretrained(path, dtype=param.dtype)
+        drafts[name] = draft.to(param.device).eval()
+    return drafts
+
+
+# -- one generate() call ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class CallStats:
+    """What evaluation needs from one speculative generate() call."""
+
+    acceptance: AcceptanceStats
+    draft_time: float | None = None  # seconds proposing (and scheduling)
+    verify_time: float | None = None  # seconds in target verification forwards + rejection sampling
+    prefill_time: float | None = None
+    block_size: int | None = None  # draft tokens per round actually used (a generate() option may lower it)
+    schedule: str | None = None
+
+
+def generation_stats(draft: nn.Module, output) -> CallStats | None:
+    """Statistics of the generate() call that returned `output`; None when the call reported none.
+
+    The one adapter between the decoding loop's report (`hf_dspark.generation.stats.SpeculativeStats`, found as
+    `output.speculative_stats` with return_dict_in_generate, else `draft.last_generation_stats`) and evaluation.
+    """
+    stats = getattr(output, "speculative_stats", None)
+    if stats is None:
+        stats = getattr(draft, "last_generation_stats", None)
+    if stats is None:
+        return None
+    if isinstance(stats, AcceptanceStats):
+        return CallStats(stats)
+    return CallStats(
+        acceptance=stats.acceptance,
+        draft_time=getattr(stats, "draft_time", None),
+        verify_time=getattr(stats, "verify_time", None),
+        prefill_time=getattr(stats, "prefill_time", None),
+        block_size=getattr(stats, "block_size", None) or None,
+        schedule=getattr(stats, "schedule", None),
+    )
+
+
+def _raw_confidence_records(draft: nn.Module, records: list) -> list:
+    """Confidence records at temperature 1 (the decoding loop records the STS-calibrated c_k it scheduled with)."""
+    return uncalibrate_records(records, getattr(draft.config, "confidence_temperatures", None))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def eos_token_ids(target: nn.Module, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for value in (getattr(target.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    if not ids:
+        raise ValueError("neither the target's generation_config nor the tokenizer defines an eos token id")
+    return ids
+
+
+def count_new_tokens(sequences: torch.Tensor, prompt_length: int, eos_ids: Sequence[int]) -> int:
+    """Generated tokens per row up to and including the first EOS (padding after EOS is not counted)."""
+    new = sequences[:, prompt_length:]  # [B, n]
+    if new.shape[1] == 0:
+        return 0
+    is_eos = torch.isin(new, torch.tensor(list(eos_ids), device=new.device))
+    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new.shape[1])  # [B]
+    return int(length.sum())
+
+
+@dataclass
+class _CallResult:
+    new_tokens: int
+    seconds: float
+    stats: CallStats | None = None
+
+
+def _left_pad(batch: Sequence[Sequence[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+
+
+@torch.no_grad()
+def _generate(target, inputs, generation_config, eos_ids, draft=None, generate_kwargs=None) -> _CallResult:
+    device = inputs["input_ids"].device
+    extra = dict(generate_kwargs or {}) if draft is not None else {}
+    if draft is not None:
+        extra["assistant_model"] = draft
+    _synchronize(device)
+    start = time.perf_counter()
+    output = target.generate(**inputs, generation_config=generation_config, **extra)
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    sequences = output.sequences if hasattr(output, "sequences") else output
+    result = _CallResult(count_new_tokens(sequences, inputs["input_ids"].shape[1], eos_ids), seconds)
+    if draft is not None:
+        # Read before the next call: `draft.last_generation_stats` is replaced by every generate().
+        result.stats = generation_stats(draft, output)
+        if result.stats is None:
+            raise RuntimeError(
+                f"generate() with the {type(draft).__name__} draft returned no speculative statistics: is "
+                "`import hf_dspark` routing assistant_model=draft through hf_dspark's decoding loop?"
+            )
+    return result
+
+
+# -- the evaluation --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvaluationResults:
+    """What `evaluate_drafts` measured; `report.save_results` writes it as results.json / results.md / plots."""
+
+    rows: list[dict]
+    baselines: list[dict]
+    target: str
+    hardware: str
+    command: str | None
+    settings: dict
+    reliability: dict = field(default_factory=dict)  # (drafter, dataset, temperature) -> curves, for plots
+
+    def to_dict(self) -> dict:
+        return {
+            "target": self.target,
+            "hardware": self.hardware,
+            "command": self.command,
+            "settings": self.settings,
+            "baselines": self.baselines,
+            "results": self.rows,
+        }
+
+
+def hardware_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"{torch.cuda.get_device_name(index)} (x{torch.cuda.device_count()} visible)"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU: {model} ({cores} cores)"
+
+
+def _generation_config(target, temperature: float, top_k: int, top_p: float, max_new_tokens: int, eos_ids, pad_id):
+    config = copy.deepcopy(target.generation_config)
+    sampling = temperature > 0
+    config.update(
+        do_sample=sampling,
+        temperature=temperature if sampling else None,
+        # 0 / 1.0 disable top-k / top-p explicitly (otherwise generate() falls back to its own defaults).
+        top_k=top_k if sampling else None,
+        top_p=top_p if sampling else None,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        return_dict_in_generate=True,
+        num_return_sequences=1,
+    )
+    return config
+
+
+def evaluate_drafts(
+    target: nn.Module,
+    tokenizer,
+    drafts: Mapping[str, nn.Module],
+    datasets: Mapping[str, str | Path] | Sequence[str | Path],
+    *,
+    num_prompts: int | None = 80,
+    max_new_tokens: int = 256,
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    batch_size: int = 1,
+    seed: int = 0,
+    output_dir: str | Path | None = None,
+    generate_kwargs: dict | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+    n_bins: int = 15,
+    plots: bool = True,
+    command: str | None = None,
+    target_name: str | None = None,
+) -> EvaluationResults:
+    """Speculative decoding of each draft over each prompt file; acceptance, calibration and speed.
+
+    drafts: {name: draft model}; datasets: {name: JSONL path} or a list of paths (named by file stem), rows
+    `{"turns": [...]}` (first turn used); num_prompts: the first N prompts of every file (None: all);
+    temperature: one value or several (0 = greedy), each giving its own rows; top_k=0 / top_p=1.0 mean off;
+    generate_kwargs: extra arguments for the draft generate() calls only (e.g. scheduler options).
+    Returns `EvaluationResults`; with `output_dir`, also writes results.json, results.md and PNG plots there
+    (JSON and markdown are rewritten after every row, so an interrupted run keeps its finished rows).
+    """
+    from tqdm.auto import tqdm
+
+    if not drafts:
+        raise ValueError("no drafts to evaluate: pass at least one {name: draft}")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
+    temperatures = [float(temperature)] if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+    if not temperatures or any(t < 0 for t in temperatures):
+        raise ValueError(f"temperatures must be >= 0 (0 = greedy), got {temperatures}")
+    if not isinstance(datasets, Mapping):
+        paths = list(datasets)
+        datasets = {dataset_name(p): p for p in paths}
+        if len(datasets) < len(paths):
+            raise ValueError(f"prompt files with the same name in {paths}: pass a {{name: path}} dict instead")
+    if not datasets:
+        raise ValueError("no datasets given: pass at least one {'turns': [...]} JSONL file")
+    vocab = target.get_input_embeddings().weight.shape[0]
+    for name, draft in drafts.items():
+        if draft.config.vocab_size != vocab:
+            raise ValueError(
+                f"draft {name!r} has vocab {draft.config.vocab_size} but the target has {vocab}: "
+                "the draft was trained for another target"
+            )
+    eos_ids = eos_token_ids(target, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    device = target.get_input_embeddings().weight.device
+    was_training = target.training
+    target.eval()
+
+    prompts = {}
+    for name, path in datasets.items():
+        prompts[name] = render_prompts(tokenizer, load_eval_prompts(path, num_prompts))
+
+    warmed: set[str] = set()
+
+    def run(model_name, draft, rendered, gen_config, desc):
+        batches = [rendered[i : i + batch_size] for i in range(0, len(rendered), batch_size)]
+        if warmup and model_name not in warmed:
+            # First calls pay for kernel selection, allocator growth and (for drafts) any scheduler profiling.
+            warm_config = copy.deepcopy(gen_config)
+            warm_config.max_new_tokens = min(16, max_new_tokens)
+            _generate(target, _left_pad(batches[0], pad_id, device), warm_config, eos_ids, draft, generate_kwargs)
+            warmed.add(model_name)
+        calls = []
+        with tqdm(total=len(rendered), desc=desc, unit="prompt", disable=not progress, leave=False) as bar:
+            for index, batch in enumerate(batches):
+                torch.manual_seed(seed + index)  # same seeds for the target alone and every draft
+                inputs = _left_pad(batch, pad_id, device)
+                calls.append(_generate(target, inputs, gen_config, eos_ids, draft, generate_kwargs))
+                bar.update(len(batch))
+        return calls
+
+    # The rows fill this object in place; with output_dir it is rewritten (JSON + markdown) after every row, so
+    # an interrupted run keeps what it measured.
+    results = EvaluationResults(
+        rows=[],
+        baselines=[],
+        target=target_name or str(getattr(target.config, "_name_or_path", "") or type(target).__name__),
+        hardware=hardware_description(device),
+        command=command,
+        settings={
+            "datasets": {name: str(path) for name, path in datasets.items()},
+            "prompt_subset": (
+                f"the first {num_prompts} prompts of each file (first turn, chat template with generation prompt)"
+                if num_prompts is not None
+                else "every prompt of each file (first turn, chat template with generation prompt)"
+            ),
+            "num_prompts": {name: len(r) for name, r in prompts.items()},
+            "max_new_tokens": max_new_tokens,
+            "temperatures": temperatures,
+            "top_k": top_k,
+            "top_p": top_p,
+            "batch_size": batch_size,
+            "seed": seed,
+            "warmup": warmup,
+            "generate_kwargs": dict(generate_kwargs or {}),
+            "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
+            "device": str(device),
+            "drafts": {name: _draft_description(d) for name, d in drafts.items()},
+            "versions": _versions(),
+        },
+    )
+    try:
+        for temp in temperatures:
+            gen_config = _generation_config(target, temp, top_k, top_p, max_new_tokens, eos_ids, pad_id)
+            for data_name, rendered in prompts.items():
+                calls = run("target", None, rendered, gen_config, f"target alone | {data_name} | T={temp:g}")
+                base = _speed(calls)
+                results.baselines.append(
+                    {"dataset": data_name, "temperature": temp, "num_prompts": len(rendered), **base}
+                )
+                for draft_name, draft in drafts.items():
+                    calls = run(draft_name, draft, rendered, gen_config, f"{draft_name} | {data_name} | T={temp:g}")
+                    row, curves = _draft_row(draft_name, draft, data_name, temp, calls, base, len(rendered), n_bins)
+                    results.rows.append(row)
+                    if curves is not None:
+                        results.reliability[(draft_name, data_name, temp)] = curves
+                    if output_dir is not None:
+                        save_results(results, output_dir, plots=False)
+    finally:
+        target.train(was_training)
+    if output_dir is not None:
+        save_results(results, output_dir, plots=plots)
+    return results
+
+
+def _speed(calls: list[_CallResult]) -> dict:
+    tokens = sum(c.new_tokens for c in calls)
+    seconds = sum(c.seconds for c in calls)
+    return {"new_tokens": tokens, "wall_time_s": seconds, "tokens_per_s": tokens / seconds if seconds else float("nan")}
+
+
+def _total(values):
+    return None if any(v is None for v in values) else float(sum(values))
+
+
+def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_bins):
+    stats = AcceptanceStats()
+    for call in calls:
+        stats.merge(call.stats.acceptance)
+    speed = _speed(calls)
+    acceptance = stats.to_dict()
+    block_sizes = {c.stats.block_size for c in calls if c.stats.block_size}
+    block_size = max(block_sizes) if block_sizes else int(draft.config.num_draft_tokens)
+    row = {
+        "drafter": name,
+        "dataset": data_name,
+        "temperature": temperature,
+        "tau": acceptance.pop("tau"),
+        "accept_rate_by_position": acceptance.pop("accept_rate_by_position"),
+        "tokens_per_s": speed["tokens_per_s"],
+        "speedup": speed["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else float("nan"),
+        "target_tokens_per_s": base["tokens_per_s"],
+        "num_prompts": num_prompts,
+        "model_type": draft.config.model_type,
+        "block_size": block_size,
+        "schedule": next((c.stats.schedule for c in calls if c.stats.schedule), None),
+        **acceptance,  # rounds, committed/verified/proposed tokens, verify_efficiency
+        "new_tokens": speed["new_tokens"],
+        "wall_time_s": speed["wall_time_s"],
+        "prefill_time_s": _total([c.stats.prefill_time for c in calls]),
+        "draft_time_s": _total([c.stats.draft_time for c in calls]),
+        "verify_time_s": _total([c.stats.verify_time for c in calls]),
+        "calibration": None,
+    }
+    groups = [_raw_confidence_records(draft, c.stats.acceptance.confidence_records) for c in calls]
+    summary = calibration_summary(
+        groups, block_size, getattr(draft.config, "confidence_temperatures", None), n_bins
+    )
+    curves = None
+    if summary is not None:
+        curves = summary.pop("reliability")
+        row["calibration"] = summary
+    return row, curves
+
+
+def _draft_description(draft) -> dict:
+    cfg = draft.config
+    return {
+        "model_type": cfg.model_type,
+        "name_or_path": str(getattr(cfg, "_name_or_path", "") or ""),
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_draft_tokens": int(cfg.num_draft_tokens),
+        "target_layer_ids": list(cfg.target_layer_ids or []),
+        "confidence_temperatures": getattr(cfg, "confidence_temperatures", None),
+    }
+
+
+def _versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+__all__ = [
+    "EvaluationResults",
+    "evaluate_drafts",
+    "generation_stats",
+    "CallStats",
+    "load_eval_prompts",
+    "render_prompts",
+    "load_target",
+    "load_drafts",
+    "hardware_description",
+    "count_new_tokens",
+]

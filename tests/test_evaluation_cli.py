@@ -1,0 +1,135 @@
+"""`hf-dspark eval` end to end on a tiny random target that uses SmolLM2's tokenizer and chat template."""
+
+import json
+
+import pytest
+from conftest import make_tiny_target
+
+from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
+from hf_dspark.cli import main
+from hf_dspark.evaluation.report import ROW_KEYS
+from hf_dspark.evaluation.runner import load_drafts, load_eval_prompts, render_prompts
+
+PROMPTS = ["What is 2+2?", "Write a haiku about rain.", "Name three colors."]
+STORED_TEMPERATURES = [1.5, 2.0, 2.5, 3.0]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """target/ (tiny llama, vocab 49152, SmolLM2 tokenizer), dspark/ (with STS temperatures), dflash/, eagle3/,
+    prompts.jsonl."""
+    from transformers import AutoTokenizer
+
+    from hf_dspark.resources import default_target_path
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(default_target_path())
+    except (ImportError, FileNotFoundError) as err:
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {err}")
+    root = tmp_path_factory.mktemp("eval_cli")
+    target = make_tiny_target("llama", vocab_size=len(tokenizer))
+    for config in (target.config, target.generation_config):
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    DSparkModel.from_target(
+        target, num_hidden_layers=1, block_size=4, markov_rank=8, confidence_temperatures=STORED_TEMPERATURES
+    ).save_pretrained(root / "dspark")
+    DFlashModel.from_target(target, num_hidden_layers=1, block_size=4).save_pretrained(root / "dflash")
+    Eagle3Model.from_target(target, block_size=3).save_pretrained(root / "eagle3")
+    with open(root / "prompts.jsonl", "w") as f:
+        for text in PROMPTS:
+            f.write(json.dumps({"turns": [text, "a second turn that is never used"]}) + "\n")
+    return root
+
+
+def test_eval_help_lists_the_documented_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--target", "--draft", "--data", "--num_prompts", "--max_new_tokens", "--temperature",
+                   "--output_dir", "--batch_size", "--seed"):
+        assert option in text
+
+
+def test_prompts_are_the_first_n_first_turns_in_the_chat_template(workdir):
+    from transformers import AutoTokenizer
+
+    prompts = load_eval_prompts(workdir / "prompts.jsonl", 2)
+    assert prompts == PROMPTS[:2]
+    tokenizer = AutoTokenizer.from_pretrained(workdir / "target")
+    text = tokenizer.decode(render_prompts(tokenizer, prompts)[1])
+    assert PROMPTS[1] in text and "second turn" not in text
+    assert text.endswith("<|im_start|>assistant\n")  # the generation prompt
+    with pytest.raises(ValueError, match="num_prompts must be >= 1"):
+        load_eval_prompts(workdir / "prompts.jsonl", 0)
+
+
+def test_drafts_are_named_by_model_type_then_folder(workdir, tmp_path):
+    import shutil
+
+    target = make_tiny_target("llama", vocab_size=49152)
+    drafts = load_drafts([str(workdir / "dspark"), str(workdir / "eagle3")], target)
+    assert list(drafts) == ["dspark", "eagle3"]
+    shutil.copytree(workdir / "dspark", tmp_path / "dspark_v2")
+    drafts = load_drafts([str(workdir / "dspark"), str(tmp_path / "dspark_v2"), f"mine={workdir / 'dflash'}"], target)
+    assert list(drafts) == ["dspark", "dspark_v2", "mine"]
+    with pytest.raises(ValueError, match="not a draft"):
+        load_drafts([str(workdir / "target")], target)
+    with pytest.raises(FileNotFoundError, match="save_pretrained"):
+        load_drafts([str(tmp_path / "missing")], target)
+
+
+def test_draft_for_another_vocabulary_is_rejected(workdir):
+    from hf_dspark.evaluation import evaluate_drafts, load_target
+
+    target, tokenizer = load_target(workdir / "target")
+    other = DFlashModel.from_target(make_tiny_target("llama"), num_hidden_layers=1, block_size=2)  # vocab 96
+    with pytest.raises(ValueError, match="trained for another target"):
+        evaluate_drafts(target, tokenizer, {"other": other}, [workdir / "prompts.jsonl"], num_prompts=1)
+
+
+def test_eval_end_to_end(workdir, capsys):
+    out = workdir / "out"
+    code = main([
+        "eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dspark"), "--draft",
+        str(workdir / "eagle3"), "--data", str(workdir / "prompts.jsonl"), "--num_prompts", "2",
+        "--max_new_tokens", "8", "--temperature", "0", "1", "--output_dir", str(out), "--no_progress",
+    ])
+    assert code == 0
+    assert "## tau and speedup, temperature 0" in capsys.readouterr().out
+    data = json.loads((out / "results.json").read_text())
+    assert data["command"].startswith("hf-dspark eval --target")
+    assert data["hardware"].startswith("CPU") and data["target"] == str(workdir / "target")
+    assert data["settings"]["num_prompts"] == {"prompts": 2}
+    assert "first 2 prompts" in data["settings"]["prompt_subset"]
+    rows = {(r["drafter"], r["temperature"]): r for r in data["results"]}
+    assert set(rows) == {("dspark", 0.0), ("eagle3", 0.0), ("dspark", 1.0), ("eagle3", 1.0)}
+    baselines = {b["temperature"]: b for b in data["baselines"]}
+    for (drafter, temp), row in rows.items():
+        assert set(ROW_KEYS) <= set(row)
+        assert row["rounds"] > 0 and row["tau"] == pytest.approx(row["committed_tokens"] / row["rounds"])
+        assert len(row["accept_rate_by_position"]) <= row["block_size"]
+        assert row["speedup"] == pytest.approx(row["tokens_per_s"] / baselines[temp]["tokens_per_s"])
+        # Each prompt's first token comes from the prefill; every later one was committed by a round.
+        assert row["new_tokens"] - 2 <= row["committed_tokens"] <= row["new_tokens"]
+        if temp == 0.0:  # greedy speculative decoding reproduces the target's own output, so its length too
+            assert row["new_tokens"] == baselines[0.0]["new_tokens"]
+    calibration = rows[("dspark", 0.0)]["calibration"]
+    assert calibration["stored_temperatures"] == STORED_TEMPERATURES
+    # Rounds that proposed nothing (max_new_tokens left room for one token only) carry no confidences.
+    assert 0 < calibration["num_rounds"] <= rows[("dspark", 0.0)]["rounds"]
+    assert calibration["stored_sts"] is not None and calibration["held_out"] is not None
+    assert rows[("eagle3", 0.0)]["calibration"] is None
+    for name in ("results.md", "acceptance_by_position_T0.png", "acceptance_by_position_T1.png",
+                 "reliability_dspark_prompts_T0.png", "reliability_dspark_prompts_T1.png"):
+        assert (out / name).stat().st_size > 0
+    markdown = (out / "results.md").read_text()
+    assert "| dspark |" in markdown and "| eagle3 |" in markdown
+
+
+def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="turns"):
+        main(["eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dflash"), "--data",
+              str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")])
