@@ -74,10 +74,21 @@ class DraftPreTrainedModel(PreTrainedModel):
         self.freeze_target_io()
 
     @classmethod
-    def from_pretrained(cls, *args, **kwargs):
-        model = super().from_pretrained(*args, **kwargs)
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        # Checkpoints written by other tools (DeepSpec, vLLM/SGLang Eagle3, speculators) are converted on load.
+        from ..hub.convert import foreign_format, load_foreign_draft
+
+        if not args and foreign_format(pretrained_model_name_or_path, **kwargs) is not None:
+            return load_foreign_draft(pretrained_model_name_or_path, expected_class=cls, **kwargs)
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model.freeze_target_io()  # loading replaces parameters, which resets requires_grad
         return model
+
+    def push_to_hub(self, repo_id: str, **kwargs):
+        """Publish weights, config, model card and the remote-code shim (see `hf_dspark.hub.push_draft`)."""
+        from ..hub.push import push_draft
+
+        return push_draft(self, repo_id, **kwargs)
 
     def freeze_target_io(self) -> None:
         """Embeddings and lm_head belong to the target: never trained."""

@@ -1,0 +1,133 @@
+"""vLLM: DSpark/DFlash as `Qwen3DSparkModel` (method "dspark"), Eagle3 as `LlamaForCausalLMEagle3` (method "eagle3").
+
+Block drafters. vLLM maps DeepSpec's `Qwen3DSparkModel` to its `Qwen3DSparkForCausalLM`, so the export is the
+DeepSpec layout (deepspec.py) with the same target-layer ids: vLLM itself adds 1 to each id when it sets up the
+target's aux-hidden-state capture (it captures the stream entering layer l + 1 = the output of layer l).
+vLLM's Markov head is the vanilla one, so gated/RNN heads are refused (the deepspec format keeps them).
+A DFlash draft is written as `Qwen3DSparkModel` with `markov_rank: 0`, exactly as DeepSpec releases its DFlash
+drafts, and not as `DFlashDraftModel`: vLLM's DFlash path follows z-lab's convention (see dflash.py).
+
+Eagle3. The Llama-Eagle3 layout (llama_eagle3.py) with `layers.0.*` keys, no d2t/t2d (optional in vLLM; the
+vocabulary is the full one), `eagle_aux_hidden_state_layer_ids` written both at top level and in `eagle_config`
+(with `use_aux_hidden_state: true`) in vLLM's convention: hf_dspark id + 1. Without them vLLM falls back to its
+defaults and warns "Acceptance will be low", so the exporter always writes them.
+
+Import: a `LlamaForCausalLMEagle3` / `Eagle3LlamaForCausalLM` folder with `midlayer.*` or `layers.0.*` keys
+(vLLM's and SGLang's exports alike) reads back through this module; block drafts read through deepspec.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .base import (
+    EXPORT_META_KEY,
+    OUR_LAYER_CONVENTION,
+    DraftFormat,
+    ExportError,
+    ExportResult,
+    apply_export_meta,
+    cast,
+    check_tensors,
+    config_diff,
+    draft_tensors,
+    dtype_name,
+    export_meta,
+    notes_readme,
+    target_for_commands,
+    write_folder,
+)
+from .deepspec import DeepSpecFormat, block_reasons
+from .llama_eagle3 import (
+    LAYER_CONVENTION,
+    LLAMA_EAGLE3_ARCHITECTURES,
+    consumer_layer_ids,
+    eagle3_from_llama,
+    llama_eagle3_config,
+    llama_eagle3_reasons,
+    llama_eagle3_spec,
+    llama_eagle3_tensors,
+    read_llama_eagle3,
+)
+
+VLLM_EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+BLOCK_CONVENTION = f"hf_dspark/DeepSpec convention ({OUR_LAYER_CONVENTION}); vLLM adds 1 internally"
+
+
+def vllm_serve_command(target: str, method: str, model: str, num_tokens: int, extra: dict | None = None) -> str:
+    spec = {"method": method, "model": model, "num_speculative_tokens": num_tokens, **(extra or {})}
+    return f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
+
+
+class VllmFormat(DraftFormat):
+    name = "vllm"
+    consumer = "vLLM (`--speculative-config`, methods dspark / eagle3)"
+
+    def why_not(self, draft) -> str | None:
+        cfg = draft.config
+        if cfg.model_type in ("dspark", "dflash"):
+            reasons = block_reasons(draft, "vLLM's Qwen3DSparkForCausalLM")
+            if cfg.model_type == "dspark" and cfg.markov_rank > 0 and cfg.markov_head_type != "vanilla":
+                reasons.append(
+                    f"vLLM's DSpark Markov head is the vanilla one (bias = W2 W1[x]); this draft uses a "
+                    f"{cfg.markov_head_type!r} head, which vLLM would serve as vanilla. Use --format deepspec"
+                )
+        else:
+            reasons = llama_eagle3_reasons(cfg, "vLLM")
+        return "; ".join(reasons) or None
+
+    def export(self, draft, output_dir: Path, *, dtype=None, overwrite: bool = False, **options) -> ExportResult:
+        self.refuse(draft)
+        cfg = draft.config
+        target = target_for_commands(cfg)
+        num_tokens = int(options.get("num_speculative_tokens") or cfg.num_draft_tokens)
+        if cfg.model_type in ("dspark", "dflash"):
+            config, tensors, arch = DeepSpecFormat().build(draft)
+            convention = BLOCK_CONVENTION
+            extra = {}
+            if getattr(cfg, "enable_confidence_head", False):
+                extra["enable_adaptive_verification"] = True
+            serve = vllm_serve_command(target, "dspark", str(output_dir), num_tokens, extra)
+            notes = ["vLLM reads markov_rank, enable_confidence_head, confidence_head_with_markov and the top-level "
+                     "target_layer_ids of this config"]
+            if cfg.model_type == "dflash":
+                notes.append("DFlash is written as Qwen3DSparkModel with markov_rank 0 (DeepSpec's layout), not as "
+                             "DFlashDraftModel, whose slot convention differs")
+        else:
+            arch = VLLM_EAGLE3_ARCHITECTURE
+            config = llama_eagle3_config(cfg, arch)
+            ids = consumer_layer_ids(cfg)
+            config["eagle_aux_hidden_state_layer_ids"] = ids
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+            tensors = llama_eagle3_tensors(draft_tensors(draft), "layers.0.", False, cfg.vocab_size)
+            spec = llama_eagle3_spec(config, "layers.0.", vocab_maps=False)
+            check_tensors(tensors, spec, "the vllm export", ExportError)
+            convention = LAYER_CONVENTION
+            serve = vllm_serve_command(target, "eagle3", str(output_dir), num_tokens)
+            notes = ["full vocabulary: draft_vocab_size = vocab_size, no d2t/t2d"]
+        tensors = cast(tensors, dtype)
+        config[EXPORT_META_KEY] = export_meta(draft, self.name, convention, config_diff(cfg, self.config_from(config)))
+        config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
+        result = ExportResult(Path(output_dir), self.name, arch, convention, serve, notes)
+        write_folder(output_dir, config, tensors, notes_readme(result, draft), overwrite=overwrite)
+        return result
+
+    @classmethod
+    def detect(cls, config: dict) -> bool:
+        archs = set(config.get("architectures") or [])
+        return bool(archs & set(LLAMA_EAGLE3_ARCHITECTURES)) and "speculators_model_type" not in config
+
+    def config_from(self, c: dict):
+        if DeepSpecFormat.detect(c):
+            return DeepSpecFormat().config_from(c)
+        eagle = c.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or c.get("eagle_aux_hidden_state_layer_ids")
+        return eagle3_from_llama(c, ids)
+
+    def read(self, c: dict, tensors: dict) -> tuple:
+        config = self.config_from(c)
+        return apply_export_meta(config, c), read_llama_eagle3(c, tensors, "this Llama-Eagle3 checkpoint")
+
+
+__all__ = ["VllmFormat", "VLLM_EAGLE3_ARCHITECTURE", "vllm_serve_command"]
