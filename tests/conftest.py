@@ -70,3 +70,7 @@ def smollm2():
 def shared_dir():
     path = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
     return path if os.path.isdir(path) else None
+
+
+# Tiny models on a 2-core machine run much faster single-threaded (pytest -n 2 already uses both cores).
+torch.set_num_threads(1)

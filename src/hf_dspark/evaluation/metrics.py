@@ -133,16 +133,17 @@ def training_acceptance_estimates(
     dividing): tau_prob_sum, tau_greedy_sum, blocks, accept_sum [K], accept_count [K].
     """
     mask = eval_mask.float()
-    valid_blocks = mask[..., 0] > 0
+    valid_blocks = mask[..., 0]  # 1.0 for blocks whose first slot is valid
     survive_prob = torch.cumprod(accept_rate.float() * mask, dim=-1)
     survive_greedy = torch.cumprod(greedy_match.float() * mask, dim=-1)
-    tau_prob = (1 + survive_prob.sum(-1))[valid_blocks]
-    tau_greedy = (1 + survive_greedy.sum(-1))[valid_blocks]
+    # Masked sums rather than boolean indexing: no device-to-host sync inside a training step.
+    tau_prob = (1 + survive_prob.sum(-1)) * valid_blocks
+    tau_greedy = (1 + survive_greedy.sum(-1)) * valid_blocks
     flat_mask = mask.reshape(-1, mask.shape[-1])
     return {
         "tau_prob_sum": tau_prob.sum(),
         "tau_greedy_sum": tau_greedy.sum(),
-        "blocks": valid_blocks.sum().float(),
+        "blocks": valid_blocks.sum(),
         "accept_sum": (accept_rate.float().reshape(-1, mask.shape[-1]) * flat_mask).sum(0),
         "accept_count": flat_mask.sum(0),
     }

@@ -24,24 +24,29 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    fixed_count: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num_anchors` candidates per row, uniformly without replacement, sorted.
 
-    Returns `(positions [B, N], valid [B, N])` with N = min(num_anchors, most candidates in any row); rows with
-    fewer candidates are padded with masked dummy anchors at position 0.
+    Returns `(positions [B, N], valid [B, N])`; rows with fewer candidates are padded with masked dummy anchors
+    at position 0, placed last. N = min(num_anchors, most candidates in any row), which reads the count on the
+    host; with `fixed_count=True`, N = min(num_anchors, T - 1) is fixed by the shape, so a training step needs no
+    host synchronization (the trainer's choice). Random numbers are drawn where `generator` lives.
     """
     cand = anchor_candidates(loss_mask)
-    batch, seq = cand.shape
-    most = int(cand.sum(dim=1).max().item()) if seq else 0
-    n = max(1, min(num_anchors, most))
-    scores = torch.rand(cand.shape, generator=generator, device=cand.device if generator is None else generator.device)
-    scores = scores.to(cand.device).masked_fill(~cand, -1.0)
-    top, idx = scores.topk(n, dim=1)
+    seq = cand.shape[1]
+    if fixed_count:
+        n = max(1, min(num_anchors, seq - 1))
+    else:
+        n = max(1, min(num_anchors, int(cand.sum(dim=1).max().item()) if seq else 0))
+    device = cand.device if generator is None else generator.device
+    scores = torch.rand(cand.shape, generator=generator, device=device).to(cand.device)
+    top, idx = scores.masked_fill(~cand, -1.0).topk(n, dim=1)
     valid = top >= 0
-    # Sort the chosen anchors by position, dummies last.
-    key = torch.where(valid, idx, torch.full_like(idx, seq))
-    order = key.argsort(dim=1)
+    order = torch.where(valid, idx, torch.full_like(idx, seq)).argsort(dim=1)
     positions = torch.where(valid, idx, torch.zeros_like(idx)).gather(1, order)
     return positions, valid.gather(1, order)
 

@@ -1,0 +1,206 @@
+"""Training step time and peak memory of a DSpark draft at DeepSpec's production shapes (random weights).
+
+Shapes (Qwen3-4B target): draft hidden 2560, 5 layers, intermediate 9728, 32 heads / 8 kv heads, head_dim 128,
+vocab 151,936, block 7, 512 anchors, sequence 4096, batch 1, Markov rank 256, confidence head, loss
+0.1 CE + 0.9 L1 + 1.0 BCE, bf16 weights, fused AdamW. Goal (PERFORMANCE.md): <= 41 ms and <= 11.4 GiB on one
+H200; the DeepSpec reference takes 110 ms / 23.9 GiB.
+
+The step is exactly what DraftTrainer runs: anchors from `sample_anchors(fixed_count=True)`, the draft's training forward
+(flex_attention with a sparse BlockMask on CUDA), `block_draft_loss` (row-chunked, fused over the vocabulary),
+backward, optimizer step. No host synchronization inside the timed steps except the per-step CUDA events.
+
+    python benchmarks/train_production_shapes.py --output benchmarks/results/train_production_shapes.json
+    python benchmarks/train_production_shapes.py --device cpu --smoke        # tiny shapes, checks the code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from hf_dspark import DSparkConfig, DSparkModel
+from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
+from hf_dspark.models.anchors import sample_anchors
+
+PRODUCTION = dict(
+    vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=5, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, block_size=7, num_anchors=512, markov_rank=256, seq_len=4096,
+    target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, rope_theta=1_000_000.0, use_qk_norm=True,
+)  # fmt: skip
+SMOKE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, block_size=7, num_anchors=16, markov_rank=16, seq_len=128,
+    target_layer_ids=[1, 3], num_target_layers=6, rope_theta=10_000.0, use_qk_norm=True,
+)  # fmt: skip
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the code path)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator warm-up)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"],
+                   help="auto: flex_attention BlockMask on CUDA, dense boolean mask elsewhere")  # fmt: skip
+    p.add_argument("--chunk_elements", type=int, default=DEFAULT_CHUNK_ELEMENTS, help="loss buffer size per chunk")
+    p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the loss math (default: on CUDA; falls back to eager on failure)")  # fmt: skip
+    p.add_argument("--gradient_checkpointing", action="store_true", help="recompute decoder layers in backward")
+    p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
+    p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    return p.parse_args(argv)
+
+
+def build(args):
+    shapes = dict(SMOKE if args.smoke else PRODUCTION)
+    if args.seq_len:
+        shapes["seq_len"] = args.seq_len
+    if args.num_anchors:
+        shapes["num_anchors"] = args.num_anchors
+    seq_len = shapes.pop("seq_len")
+    theta = shapes.pop("rope_theta")
+    config = DSparkConfig(
+        **shapes,
+        target_hidden_size=shapes["hidden_size"],
+        mask_token_id=shapes["vocab_size"] - 1,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        max_position_embeddings=max(40_960, seq_len + 16),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    with torch.device(args.device):  # initialize on the device: 1.4 B parameters initialize slowly on a CPU
+        draft = DSparkModel(config)
+    draft = draft.to(dtype)
+    draft.block_mask_kind = args.attention
+    if args.gradient_checkpointing:
+        draft.gradient_checkpointing_enable()
+    draft.train()
+    return draft, seq_len
+
+
+def synthetic_batch(config, seq_len, device, dtype):
+    """One row: a 256-token prompt (unsupervised), then supervised answer tokens; random target features."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    input_ids = torch.randint(0, config.vocab_size - 1, (1, seq_len), generator=gen)
+    loss_mask = torch.ones(1, seq_len, dtype=torch.long)
+    loss_mask[:, : min(256, seq_len // 8)] = 0
+    width = config.num_context_features * config.target_hidden_size
+    context = torch.randn(1, seq_len, width, generator=gen)
+    last = torch.randn(1, seq_len, config.target_hidden_size, generator=gen)
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(input_ids), to(loss_mask), to(context).to(dtype), to(last).to(dtype)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if args.compile_loss is None:
+        args.compile_loss = cuda
+    draft, seq_len = build(args)
+    cfg = draft.config
+    dtype = getattr(torch, args.dtype)
+    trainable = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=cuda)
+    input_ids, loss_mask, context, last = synthetic_batch(cfg, seq_len, device, dtype)
+
+    def step(i: int):
+        generator = torch.Generator(device=device).manual_seed(i)
+        positions, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, fixed_count=True)
+        out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
+                    anchor_mask=valid)  # fmt: skip
+        result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss)
+        result.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return result.estimates["supervised_tokens"].detach(), result.loss.detach()
+
+    for i in range(args.warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times, tokens, losses = [], [], []
+    for i in range(args.warmup, args.warmup + args.steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            n, loss = step(i)
+            end.record()
+            torch.cuda.synchronize(device)  # timing only: between steps, never inside one
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            n, loss = step(i)
+            times.append((time.perf_counter() - t0) * 1000)
+        tokens.append(n)
+        losses.append(loss)
+    step_ms = statistics.median(times)
+    supervised = float(torch.stack(tokens).float().mean())
+    if cuda:
+        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+        device_name = platform.processor() or "cpu"
+    result = {
+        "benchmark": "train_production_shapes",
+        "smoke": args.smoke,
+        "device": device_name,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "dtype": args.dtype,
+        "attention": "flex" if draft._use_flex(device) else "dense",
+        "compile_loss": args.compile_loss,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "chunk_elements": args.chunk_elements,
+        "shapes": {
+            "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "intermediate": cfg.intermediate_size,
+            "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "vocab": cfg.vocab_size, "block": cfg.block_size, "anchors": cfg.num_anchors, "seq_len": seq_len,
+            "batch": 1, "markov_rank": cfg.markov_rank,
+        },  # fmt: skip
+        "trainable_params": sum(p.numel() for p in trainable),
+        "step_ms_median": step_ms,
+        "step_ms_all": times,
+        "supervised_block_tokens_per_step": supervised,
+        "supervised_block_tokens_per_s": supervised / (step_ms / 1000),
+        "peak_memory_gib": peak_gib,
+        "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process max RSS",
+        "final_loss": float(losses[-1]),
+        "goal": {"step_ms": 41.0, "peak_memory_gib": 11.4},
+        "deepspec_reference": {"eager_ms": 110.0, "compiled_ms": 83.0, "peak_memory_gib": 23.9},
+    }
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    rows = [
+        ("device", result["device"]),
+        ("shapes", f"d={cfg.hidden_size} L={cfg.num_hidden_layers} V={cfg.vocab_size} K={cfg.block_size} "
+                   f"N={cfg.num_anchors} T={seq_len}"),
+        ("trainable params", f"{result['trainable_params'] / 1e6:.1f} M"),
+        ("attention / compiled loss", f"{result['attention']} / {args.compile_loss}"),
+        ("step time (median of %d)" % args.steps, f"{step_ms:.1f} ms   (goal 41 ms; DeepSpec 110 ms)"),
+        ("supervised block tokens/s", f"{result['supervised_block_tokens_per_s'] / 1e3:.1f} k   (goal 86 k)"),
+        (f"peak memory ({result['peak_memory_kind']})", f"{peak_gib:.2f} GiB   (goal 11.4 GiB; DeepSpec 23.9)"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    print("\n| " + "metric".ljust(width) + " | value |\n|" + "-" * (width + 2) + "|-------|")
+    for key, value in rows:
+        print(f"| {key.ljust(width)} | {value} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()

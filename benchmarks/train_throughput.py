@@ -1,0 +1,275 @@
+"""Train a DSpark draft for SmolLM2-135M-Instruct on its own answers and measure training throughput.
+
+Reports supervised block tokens/s (valid draft slots per second, after warm-up), peak memory, the
+training-time acceptance estimates (tau_prob, tau_greedy, accept@k) on held-out conversations, and, for a
+cached run, the cache's size in bytes per token and its build time. The trained draft is saved to --output_dir
+(keep it outside git; the evaluation issue reads it from there).
+
+    # all 10,240 conversations, the target online (a full bf16 cache of them would take ~30 GB)
+    python benchmarks/train_throughput.py --data ../shared/data/responses/smollm2-135m-instruct.jsonl.gz \
+        --mode online --time_budget 360 --output_dir /tmp/dspark-smollm2 \
+        --output benchmarks/results/train_throughput_online.json
+    # from a cache of a subset: cache bytes/token and cached-mode throughput
+    python benchmarks/train_throughput.py --data ... --mode cached --num_rows 2048 --cache_dir /tmp/smollm2-cache \
+        --time_budget 120 --output_dir /tmp/dspark-smollm2-cached \
+        --output benchmarks/results/train_throughput_cached.json
+    python benchmarks/train_throughput.py --data ... --device cpu --smoke     # a few steps on CPU
+
+Everything goes through the public training API: tokenize_conversations -> (build_target_cache ->
+load_target_cache) -> DraftTrainer. Batches are padded to --pad_to_multiple_of (default: max_length), so the
+compiled flex_attention kernels see one shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from hf_dspark.data import build_target_cache, load_conversations, load_target_cache, tokenize_conversations
+from hf_dspark.training import DraftTrainer, DraftTrainingArguments, build_draft
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", required=True, help="conversations answered by the target (JSONL(.gz))")
+    p.add_argument("--target_model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--mode", choices=["online", "cached"], default="online")
+    p.add_argument("--cache_dir", default="/tmp/hf_dspark_bench_cache", help="cache folder (reused when present)")
+    p.add_argument("--cache_dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
+    p.add_argument("--output_dir", default="/tmp/hf_dspark_bench_draft", help="where the trained draft is saved")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny run: few rows, short sequences, 3 steps")
+    p.add_argument("--num_rows", type=int, default=None, help="training conversations (default: all)")
+    p.add_argument("--eval_rows", type=int, default=256, help="held-out conversations for the tau estimates")
+    p.add_argument("--num_hidden_layers", type=int, default=2)
+    p.add_argument("--block_size", type=int, default=7)
+    p.add_argument("--num_anchors", type=int, default=512)
+    p.add_argument("--max_length", type=int, default=1024)
+    p.add_argument("--pad_to_multiple_of", type=int, default=None, help="default: max_length (one shape)")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument("--learning_rate", type=float, default=6e-4)
+    p.add_argument("--warmup_ratio", type=float, default=0.04)
+    p.add_argument("--max_steps", type=int, default=2000, help="upper bound; --time_budget usually stops first")
+    p.add_argument("--time_budget", type=float, default=300.0, help="seconds of training (after setup)")
+    p.add_argument("--warmup_steps_excluded", type=int, default=5, help="first steps left out of tokens/s")
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
+    p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--dataloader_num_workers", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if args.smoke:
+        args.num_rows, args.eval_rows, args.max_length = 16, 4, 192
+        args.num_hidden_layers, args.num_anchors, args.batch_size = 1, 32, 4
+        args.max_steps, args.time_budget, args.warmup_steps_excluded = 3, 600.0, 1
+    if args.pad_to_multiple_of is None:
+        args.pad_to_multiple_of = args.max_length
+    if args.compile_loss is None:
+        args.compile_loss = cuda
+    if args.dataloader_num_workers is None:
+        args.dataloader_num_workers = 2 if cuda and args.mode == "cached" else 0
+    return args
+
+
+class Throughput(TrainerCallback):
+    """Wall time and supervised block tokens between the end of warm-up and the end of training; time budget."""
+
+    def __init__(self, trainer_ref, warmup_steps: int, time_budget: float, cuda: bool):
+        self.trainer_ref, self.warmup_steps, self.time_budget, self.cuda = trainer_ref, warmup_steps, time_budget, cuda
+        self.start_time = self.start_tokens = self.end_time = self.end_tokens = None
+        self.train_start = None
+        self.steps = 0
+
+    def _mark(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter(), float(self.trainer_ref[0].supervised_tokens_seen)
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.train_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.steps = state.global_step
+        if state.global_step == self.warmup_steps:
+            self.start_time, self.start_tokens = self._mark()
+            if self.cuda:
+                torch.cuda.reset_peak_memory_stats()
+        if time.perf_counter() - self.train_start > self.time_budget:
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kw):
+        self.end_time, self.end_tokens = self._mark()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    setup_start = time.perf_counter()
+    target_path = args.target_model
+    if target_path is None:
+        from hf_dspark.resources import default_target_path
+
+        target_path = str(default_target_path())
+    dtype = torch.bfloat16 if cuda else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+
+    conversations = load_conversations(args.data)
+    wanted = (args.num_rows or len(conversations)) + args.eval_rows
+    conversations = conversations.select(range(min(wanted, len(conversations))))
+    rows = tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
+    split = rows.train_test_split(test_size=args.eval_rows, seed=args.seed)
+    train_rows, eval_rows = split["train"], split["test"]
+
+    training_args = DraftTrainingArguments(
+        output_dir=args.output_dir,
+        algorithm="dspark",
+        num_hidden_layers=args.num_hidden_layers,
+        block_size=args.block_size,
+        num_anchors=args.num_anchors,
+        max_length=args.max_length,
+        pad_to_multiple_of=args.pad_to_multiple_of,
+        compile_loss=args.compile_loss,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_ratio,  # a float < 1 is a ratio of the total steps
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=args.max_steps,
+        bf16=cuda,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        logging_steps=50 if not args.smoke else 1,
+        logging_nan_inf_filter=False,  # the filter reads the loss on the host every step
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not cuda,
+        dataloader_num_workers=args.dataloader_num_workers,
+        dataloader_pin_memory=cuda,
+        seed=args.seed,
+        disable_tqdm=False,
+    )
+    torch.manual_seed(args.seed)
+    draft = build_draft(target, training_args)
+    draft.block_mask_kind = args.attention
+
+    cache_info = {}
+    if args.mode == "cached":
+        start = time.perf_counter()
+        paths = {}
+        for name, part in (("train", train_rows), ("eval", eval_rows)):
+            paths[name] = build_target_cache(
+                target, part, Path(args.cache_dir) / name, target_layer_ids=draft.config.target_layer_ids,
+                tokenizer=tokenizer, max_length=args.max_length, batch_size=16, dtype=args.cache_dtype,
+                process_index=0, num_processes=1,
+            )  # fmt: skip
+        train_data = load_target_cache(paths["train"], draft_config=draft.config, target=target)
+        eval_data = load_target_cache(paths["eval"], draft_config=draft.config, target=target)
+        manifest = train_data.metadata
+        cache_info = {
+            "cache_build_or_reuse_s": time.perf_counter() - start,
+            "cache_dtype": args.cache_dtype,
+            "cache_bytes_per_token": manifest.get("bytes_per_token"),
+            "cache_total_tokens": manifest.get("total_tokens"),
+            "cache_total_gib": (manifest.get("total_bytes") or 0) / 2**30,
+            "deepspec_bytes_per_token": manifest.get("deepspec_bytes_per_token"),
+        }
+        online_target = None
+        del target
+    else:
+        train_data, eval_data, online_target = train_rows, eval_rows, target
+
+    trainer_ref = []
+    meter = Throughput(trainer_ref, args.warmup_steps_excluded, args.time_budget, cuda)
+    trainer = DraftTrainer(
+        model=draft, args=training_args, train_dataset=train_data, eval_dataset=eval_data,
+        target_model=online_target, callbacks=[meter],
+    )  # fmt: skip
+    trainer_ref.append(trainer)
+    setup_s = time.perf_counter() - setup_start
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    trainer.save_model(args.output_dir)
+    metrics = trainer.evaluate()
+
+    measured = meter.start_time is not None and meter.end_time > meter.start_time
+    seconds = (meter.end_time - meter.start_time) if measured else float("nan")
+    tokens = (meter.end_tokens - meter.start_tokens) if measured else float("nan")
+    slots = [metrics.get(f"eval_accept@{k}") for k in range(1, args.block_size + 1)]
+    result = {
+        "benchmark": "train_throughput",
+        "smoke": args.smoke,
+        "mode": args.mode,
+        "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "target": target_path,
+        "draft": {"layers": args.num_hidden_layers, "block_size": args.block_size, "anchors": args.num_anchors,
+                  "target_layer_ids": draft.config.target_layer_ids,
+                  "trainable_params": sum(p.numel() for p in draft.parameters() if p.requires_grad)},  # fmt: skip
+        "train_rows": len(train_rows),
+        "eval_rows": len(eval_rows),
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "steps": meter.steps,
+        "setup_s": setup_s,
+        "measured_steps": meter.steps - args.warmup_steps_excluded,
+        "measured_s": seconds,
+        "supervised_block_tokens": tokens,
+        "supervised_block_tokens_per_s": tokens / seconds if measured else float("nan"),
+        "peak_memory_gib": peak,
+        "peak_memory_kind": "torch.cuda.max_memory_allocated (after warm-up)" if cuda else "process max RSS",
+        "heldout": {
+            "loss": metrics.get("eval_loss"),
+            "tau_prob": metrics.get("eval_tau_prob"),
+            "tau_greedy": metrics.get("eval_tau_greedy"),
+            "accept_at_k": slots,
+        },
+        "attention": args.attention,
+        "compile_loss": args.compile_loss,
+        "draft_dir": args.output_dir,
+        **cache_info,
+    }
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    fmt = lambda x, spec: "n/a" if x is None or x != x else format(x, spec)  # noqa: E731
+    rows = [
+        ("device / mode", f"{result['device']} / {args.mode}"),
+        ("draft", f"DSpark {args.num_hidden_layers} layers, block {args.block_size}, {args.num_anchors} anchors"),
+        ("steps (measured)", f"{meter.steps} ({result['measured_steps']} in {fmt(seconds, '.1f')} s)"),
+        ("supervised block tokens/s", fmt(result["supervised_block_tokens_per_s"], ",.0f")),
+        ("peak memory", f"{peak:.2f} GiB ({result['peak_memory_kind']})"),
+        ("held-out tau_prob / tau_greedy", f"{fmt(metrics.get('eval_tau_prob'), '.3f')} / "
+                                           f"{fmt(metrics.get('eval_tau_greedy'), '.3f')}"),
+        ("held-out accept@1..K", " ".join(fmt(x, ".2f") for x in slots)),
+    ]  # fmt: skip
+    if cache_info:
+        rows.append(("cache bytes/token", f"{fmt(cache_info['cache_bytes_per_token'], '.0f')} "
+                                          f"(DeepSpec layout {cache_info['deepspec_bytes_per_token']})"))  # fmt: skip
+    rows.append(("draft saved to", args.output_dir))
+    width = max(len(k) for k, _ in rows)
+    print("\n| " + "metric".ljust(width) + " | value |\n|" + "-" * (width + 2) + "|-------|")
+    for key, value in rows:
+        print(f"| {key.ljust(width)} | {value} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()

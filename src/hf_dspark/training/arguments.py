@@ -1,0 +1,63 @@
+"""`DraftTrainingArguments`: `TrainingArguments` plus the draft and data fields of draft training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class DraftTrainingArguments(TrainingArguments):
+    r"""
+    [`TrainingArguments`] for [`DraftTrainer`]. The draft fields are used when the trainer (or `train_draft`)
+    builds the draft from a target; the data fields shape batches and the chunked loss.
+    """
+
+    # -- draft ---------------------------------------------------------------------------------------------------
+    algorithm: str = field(default="dspark", metadata={"help": "Drafter to train: dspark, dflash or eagle3."})
+    num_hidden_layers: int | None = field(
+        default=None, metadata={"help": "Draft decoder layers (default: the drafter's default; Eagle3 has 1)."}
+    )
+    block_size: int | None = field(
+        default=None, metadata={"help": "Draft tokens per round: block size (DSpark/DFlash) or TTT length (Eagle3)."}
+    )
+    num_anchors: int | None = field(
+        default=None, metadata={"help": "Anchor blocks sampled per sequence (DSpark/DFlash; default 512)."}
+    )
+    target_layer_ids: list[int] | None = field(
+        default=None, metadata={"help": "Target layers feeding the draft (default: 5 evenly spaced non-final ones)."}
+    )
+
+    # -- data ----------------------------------------------------------------------------------------------------
+    max_length: int = field(default=2048, metadata={"help": "Longest tokenized conversation; longer ones are cut."})
+    min_loss_tokens: int = field(
+        default=14, metadata={"help": "Drop conversations with fewer supervised (assistant) tokens than this."}
+    )
+    pad_to_multiple_of: int = field(
+        default=8, metadata={"help": "Pad batch lengths to a multiple of this (fewer shapes for compiled kernels)."}
+    )
+    loss_chunk_elements: int | None = field(
+        default=None,
+        metadata={"help": "Elements of one [rows, vocab] fp32 loss buffer (default 2**25): bounds the loss memory."},
+    )
+    compile_loss: bool = field(
+        default=False, metadata={"help": "torch.compile the loss's vocabulary-wide math (falls back to eager)."}
+    )
+    # Rows carry only what the collator reads; keep dataset columns as they are.
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Drop dataset columns the draft's forward does not take (off for drafts)."}
+    )
+
+    def __post_init__(self):
+        if self.ddp_find_unused_parameters is None:
+            # The objectives give every trainable parameter a gradient: skip DDP's extra graph traversal.
+            self.ddp_find_unused_parameters = False
+        super().__post_init__()
+        if self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+
+
+__all__ = ["DraftTrainingArguments"]

@@ -1,0 +1,425 @@
+"""Training objectives of the drafters (ALGORITHMS.md, "DSpark / DFlash loss" and "Eagle3").
+
+Block drafters (DSpark, DFlash), per valid slot k of a block, w_k = exp(-(k-1)/loss_decay_gamma):
+    CE  = -log p_d(x*_k)                  p_d = softmax(softcap(lm_head(h_k) + W2 z_k))  (teacher forced)
+    L1  = sum_v |p_d(v) - p_t(v)|         p_t = softmax(softcap(lm_head(target_hidden_k)))
+    BCE = BCE(c_k, c*_k),  c*_k = clamp(1 - L1/2, 0, 1), detached
+    L   = ce_loss_alpha * CE + l1_loss_alpha * L1 + confidence_head_alpha * BCE
+Eagle3, TTT step j (0-based), weight step_loss_decay ** j, masked by the step's eval_mask:
+    SCE = -sum_v p_t(v) log p_d(v)        against the target distribution of that step
+Each term is  sum(w * term over valid slots) / sum(w over valid slots),  numerators and denominators summed
+over all data-parallel ranks. Eagle3 uses the same normalization with w = step_loss_decay ** j over every
+valid (step, position) pair.
+
+Memory. The [slots, V] logits dominate (3584 x 151,936 at DeepSpec's shapes). `fused_head_loss` walks the
+slots in row chunks sized so that one chunk's [rows, V] fp32 tensors stay within a fixed element budget, and
+in each chunk does everything in one pass over the full vocabulary: draft and target logits, log-sum-exp,
+CE / L1 / soft-CE / argmax agreement, and the gradient with respect to the hidden states, the Markov
+features and W2 (the loss is linear in the per-slot terms with weights known up front, so the gradient can be
+formed while the logits are live). Every logit is computed exactly once; backward only rescales the stored
+gradients. Peak extra memory: about five [rows, V] fp32 buffers, independent of the number of slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..evaluation.metrics import training_acceptance_estimates
+
+logger = logging.getLogger(__name__)
+
+# Elements of one [rows, V] fp32 buffer per chunk (2**26 = 256 MiB): 384 rows at V = 151,936.
+DEFAULT_CHUNK_ELEMENTS = 2**26
+
+
+def chunk_rows(vocab_size: int, chunk_elements: int | None = None) -> int:
+    """Rows per chunk so that a [rows, vocab] fp32 buffer holds about `chunk_elements` elements."""
+    budget = chunk_elements or DEFAULT_CHUNK_ELEMENTS
+    rows = max(1, budget // max(1, vocab_size))
+    return rows if rows < 128 else rows - rows % 128  # whole GEMM tiles
+
+
+# -- the fused, row-chunked head loss ---------------------------------------------------------------------------
+
+
+@dataclass
+class HeadStats:
+    """Per-row statistics of `fused_head_loss` (no gradient). Shapes [S]."""
+
+    ce: torch.Tensor  # -log p_d(label)
+    l1: torch.Tensor | None = None  # sum_v |p_d - p_t|
+    soft_ce: torch.Tensor | None = None  # -sum_v p_t log p_d
+    greedy_match: torch.Tensor | None = None  # argmax p_d == argmax p_t
+
+
+def _softcap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    if cap is not None:
+        logits.div_(cap).tanh_().mul_(cap)
+    return logits
+
+
+def _chunk_math(u, ut, labels, w_ce, w_l1, w_soft, cap, want_grad):
+    """Everything that touches [rows, V] after the matmuls, in place where possible.
+
+    u / ut: draft / target logits before soft-capping, fp32 [n, V] (both are consumed). Returns per-row
+    stats and g = d(sum_i w_ce ce_i + w_l1 l1_i + w_soft sce_i)/d(pre-softcap draft logits) [n, V] (or None).
+    """
+    _softcap_(u, cap)
+    capgrad = (1.0 - (u / cap).square()) if (cap is not None and want_grad) else None
+    lse = torch.logsumexp(u, dim=-1)  # [n]
+    ce = lse - u.gather(1, labels[:, None]).squeeze(1)
+    l1 = soft_ce = match = diff = None
+    if ut is not None:
+        _softcap_(ut, cap)
+        match = u.argmax(-1) == ut.argmax(-1)
+        q = ut.sub_(torch.logsumexp(ut, dim=-1, keepdim=True)).exp_()  # target probs, in place
+        if w_soft is not None:
+            soft_ce = lse - torch.bmm(q[:, None, :], u[:, :, None]).view(-1)  # lse - sum_v q u
+    p = u.sub_(lse[:, None]).exp_()  # draft probs, in place
+    if ut is not None:
+        diff = q.neg_().add_(p)  # p - q, in place
+        l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    if not want_grad:
+        return ce, l1, soft_ce, match, None
+    # d CE/du = p - onehot;  d L1/du_v = p_v (sign_v - sum_w sign_w p_w);  d SCE/du = p - q.
+    if w_l1 is not None:
+        g = diff.sign()
+        g.sub_(torch.bmm(g[:, None, :], p[:, :, None]).view(-1, 1)).mul_(w_l1[:, None])
+        g.add_(w_ce[:, None]).mul_(p)
+    else:
+        g = p.mul_(w_ce[:, None])
+    if w_soft is not None:
+        g.addcmul_(diff, w_soft[:, None])
+    g.scatter_add_(1, labels[:, None], -w_ce[:, None])
+    if capgrad is not None:
+        g.mul_(capgrad)
+    return ce, l1, soft_ce, match, g
+
+
+_COMPILED_CHUNK_MATH = None
+_MM_OUT_DTYPE_OK = True  # torch.mm(..., out_dtype=fp32) for bf16/fp16 inputs (CUDA kernels); probed on first use
+
+
+def _get_chunk_math(compile: bool):
+    """torch.compile fuses the elementwise passes over [rows, V]; any compile failure falls back to eager."""
+    global _COMPILED_CHUNK_MATH
+    if not compile:
+        return _chunk_math
+    if _COMPILED_CHUNK_MATH is None:
+        _COMPILED_CHUNK_MATH = torch.compile(_chunk_math, dynamic=False)
+    return _COMPILED_CHUNK_MATH
+
+
+def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b returned in acc_dtype; half-precision inputs accumulate straight into fp32 where supported."""
+    global _MM_OUT_DTYPE_OK
+    if _MM_OUT_DTYPE_OK and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK = False
+    return (a @ b).to(acc_dtype)
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft, opts):
+        global _COMPILED_CHUNK_MATH
+        cap, rows, dtype = opts["softcap"], opts["rows"], opts["dtype"]
+        need = ctx.needs_input_grad
+        want_grad = any(need[:5])
+        acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 in exactness tests)
+        W = lm_weight.to(dtype)  # [V, d]
+        W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
+        grad_h = torch.empty_like(hidden) if need[0] else None
+        grad_z = torch.empty_like(markov) if need[1] else None
+        grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        stats = {"ce": [], "l1": [], "soft_ce": [], "match": []}
+        math_fn = _get_chunk_math(opts["compile"])
+        for start in range(0, hidden.shape[0], rows):
+            sl = slice(start, start + rows)
+            h = hidden[sl].to(dtype)  # [n, d]
+            z = markov[sl].to(dtype) if markov is not None else None  # [n, r]
+            a, b, c = w_ce[sl], None if w_l1 is None else w_l1[sl], None if w_soft is None else w_soft[sl]
+
+            def logits():  # draft and target logits, [n, V] each, before soft-capping
+                u = _mm_acc(h, W.T, acc)
+                if z is not None:
+                    u += _mm_acc(z, W2.T, acc)
+                ut = _mm_acc(target_hidden[sl].to(dtype), W.T, acc) if target_hidden is not None else None
+                return u, ut
+
+            try:
+                ce, l1, soft_ce, match, g = math_fn(*logits(), labels[sl], a, b, c, cap, want_grad)
+            except Exception as err:  # noqa: BLE001 - whatever the compiler raises, eager is correct
+                if math_fn is _chunk_math:
+                    raise
+                logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
+                _COMPILED_CHUNK_MATH = math_fn = _chunk_math
+                ce, l1, soft_ce, match, g = math_fn(*logits(), labels[sl], a, b, c, cap, want_grad)
+            loss += (a * ce).sum()
+            if b is not None:
+                loss += (b * l1).sum()
+            if c is not None:
+                loss += (c * soft_ce).sum()
+            for key, value in zip(stats, (ce, l1, soft_ce, match)):
+                stats[key].append(value)
+            if g is not None:
+                g = g.to(dtype)  # [n, V]
+                if grad_h is not None:
+                    grad_h[sl] = g @ W
+                if grad_z is not None:
+                    grad_z[sl] = g @ W2
+                if grad_w2 is not None:
+                    grad_w2 += _mm_acc(g.T, z, acc)
+            del g
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_z, grad_w2)))
+        ctx.has = tuple(t is not None for t in (grad_h, grad_z, grad_w2))
+        ctx.w2_dtype = markov_weight.dtype if markov_weight is not None else None
+        outs = [
+            torch.cat(v) if v and v[0] is not None else torch.empty(0, device=hidden.device) for v in stats.values()
+        ]
+        ctx.mark_non_differentiable(*outs)
+        return (loss, *outs)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        # The loss is linear in the stored per-row gradients: backward only rescales them.
+        grad_h, grad_z, grad_w2 = (
+            (t * grad_loss.to(t.dtype)) if has else None for has, t in zip(ctx.has, ctx.saved_tensors)
+        )
+        if grad_w2 is not None:
+            grad_w2 = grad_w2.to(ctx.w2_dtype)  # accumulated in fp32
+        return grad_h, grad_z, None, None, grad_w2, None, None, None, None, None
+
+
+def _compute_dtype(tensor: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device_type = tensor.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def fused_head_loss(
+    hidden: torch.Tensor,
+    lm_weight: torch.Tensor,
+    labels: torch.Tensor,
+    ce_weight: torch.Tensor,
+    *,
+    target_hidden: torch.Tensor | None = None,
+    markov_features: torch.Tensor | None = None,
+    markov_weight: torch.Tensor | None = None,
+    l1_weight: torch.Tensor | None = None,
+    soft_ce_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    chunk_elements: int | None = None,
+    compile: bool = False,
+) -> tuple[torch.Tensor, HeadStats]:
+    """sum_i ce_weight_i CE_i + l1_weight_i L1_i + soft_ce_weight_i SCE_i over rows, without [S, V] tensors.
+
+    hidden [S, d] (final-normed draft states), lm_weight [V, d], labels [S]; per-row weights [S] (no gradient);
+    target_hidden [S, d_t] (the target's final hidden state; needed for L1 / SCE / argmax agreement);
+    markov_features [S, r] and markov_weight [V, r] (W2) add the Markov bias before soft-capping.
+    Gradients flow to hidden, markov_features and markov_weight; lm_weight must be frozen.
+    Returns (scalar fp32 loss, HeadStats with per-row ce / l1 / soft_ce / greedy_match).
+    """
+    if (l1_weight is not None or soft_ce_weight is not None) and target_hidden is None:
+        raise ValueError("the L1 and soft cross-entropy terms need target_hidden (the target's final hidden states)")
+    if (markov_features is None) != (markov_weight is None):
+        raise ValueError("markov_features and markov_weight (W2) go together")
+    if lm_weight.requires_grad:
+        raise ValueError(
+            "lm_weight requires grad, but the draft's lm_head is the target's and stays frozen: call "
+            "draft.freeze_target_io() (fused_head_loss computes no lm_head gradient)"
+        )
+    dtype = _compute_dtype(hidden, lm_weight)
+    opts = {
+        "softcap": softcap,
+        "rows": chunk_rows(lm_weight.shape[0], chunk_elements),
+        "compile": compile,
+        "dtype": dtype,
+    }
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    detach = lambda t: None if t is None else t.detach().to(acc_dtype)  # noqa: E731
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, ce, l1, soft_ce, match = _FusedHeadLoss.apply(
+            hidden,
+            markov_features,
+            target_hidden,
+            lm_weight,
+            markov_weight,
+            labels,
+            detach(ce_weight),
+            detach(l1_weight),
+            detach(soft_ce_weight),
+            opts,
+        )
+    has_target = target_hidden is not None
+    return loss, HeadStats(
+        ce=ce,
+        l1=l1 if has_target else None,
+        soft_ce=soft_ce if soft_ce_weight is not None else None,
+        greedy_match=match if has_target else None,
+    )
+
+
+# -- objectives ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftLossOutput:
+    """What one training batch contributes.
+
+    loss: the scalar to backpropagate. It is `world_size * (this rank's numerator) / (global denominator)`, so
+    the average over ranks (what DDP/DeepSpeed do to gradients and Trainer does to the logged loss) equals the
+    global formula. terms: detached, this rank's share of each loss term (their sum over ranks is the global
+    term). estimates: detached local sums for the training-time acceptance estimates (sum over ranks, then
+    divide: tau_prob = tau_prob_sum / blocks, accept@k = accept_sum[k] / accept_count[k]).
+    """
+
+    loss: torch.Tensor
+    terms: dict[str, torch.Tensor] = field(default_factory=dict)
+    estimates: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def global_sum(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(sum of `tensor` over all data-parallel ranks, world size); a no-op outside torch.distributed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tensor, 1
+    tensor = tensor.detach().clone()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor, dist.get_world_size()
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k = 1..K (gamma = 0 keeps the first slot only)."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    if gamma == 0:
+        return (k == 0).float()
+    return torch.exp(-k / gamma)
+
+
+def _normalizer(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global denominator sum(w over valid slots) and the per-rank scale world / denominator."""
+    denom, world = global_sum(weight.sum())
+    denom = denom.clamp_min(torch.finfo(torch.float32).tiny)
+    return denom, world / denom
+
+
+def block_draft_loss(
+    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False
+) -> DraftLossOutput:
+    """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring)."""
+    cfg = draft.config
+    hidden = outputs.hidden_states  # [B, N, K, d]
+    K, d = hidden.shape[-2], hidden.shape[-1]
+    mask = outputs.eval_mask.float()  # [B, N, K]
+    weight = mask * slot_weights(K, cfg.loss_decay_gamma, hidden.device)
+    denom, scale = _normalizer(weight)
+    row_w = (weight * scale).reshape(-1)
+
+    target_hidden = outputs.target_hidden_states
+    needs_target = cfg.l1_loss_alpha > 0 or (cfg.confidence_head_alpha > 0 and outputs.confidence_logits is not None)
+    if target_hidden is None and needs_target:
+        raise ValueError(
+            "the L1 and confidence terms need the target's final hidden states: pass target_last_hidden to the "
+            "draft's forward (a target cache stores them; online training computes them)"
+        )
+    markov = outputs.markov_features
+    loss, stats = fused_head_loss(
+        hidden.reshape(-1, d),
+        draft.lm_head.weight,
+        outputs.labels.reshape(-1),
+        cfg.ce_loss_alpha * row_w,
+        target_hidden=None if target_hidden is None else target_hidden.reshape(-1, target_hidden.shape[-1]),
+        markov_features=None if markov is None else markov.reshape(-1, markov.shape[-1]),
+        markov_weight=None if markov is None else draft.markov_head.markov_w2.weight,
+        l1_weight=cfg.l1_loss_alpha * row_w if cfg.l1_loss_alpha > 0 else None,
+        softcap=cfg.final_logit_softcapping,
+        chunk_elements=chunk_elements,
+        compile=compile,
+    )
+    shape = weight.shape
+    terms = {"loss_ce": (weight * stats.ce.view(shape)).sum() / denom}
+    estimates = {"supervised_tokens": mask.sum()}
+    if stats.l1 is not None:
+        l1 = stats.l1.view(shape)
+        accept = (1 - 0.5 * l1).clamp(0, 1)  # c*_k: the acceptance probability of slot k
+        terms["loss_l1"] = (weight * l1).sum() / denom
+        if outputs.confidence_logits is not None:
+            bce = F.binary_cross_entropy_with_logits(outputs.confidence_logits.float(), accept, reduction="none")
+            # Added even when confidence_head_alpha is 0, so DDP sees a gradient for every parameter.
+            loss = loss + cfg.confidence_head_alpha * (weight * scale * bce).sum()
+            terms["loss_conf"] = (weight * bce).sum().detach() / denom
+        estimates.update(training_acceptance_estimates(accept, stats.greedy_match.view(shape), outputs.eval_mask))
+    return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
+
+
+def eagle3_loss(draft, outputs, *, chunk_elements: int | None = None, compile: bool = False) -> DraftLossOutput:
+    """Eagle3 training-time-test objective from an `Eagle3Output` (see the module docstring)."""
+    cfg = draft.config
+    hidden = outputs.hidden_states  # [J, B, T, d]
+    J, d = hidden.shape[0], hidden.shape[-1]
+    if outputs.target_hidden_states is None:
+        raise ValueError(
+            "Eagle3 is trained against the target's distribution: pass target_last_hidden to the draft's forward"
+        )
+    mask = outputs.eval_mask.float()  # [J, B, T]
+    decay = cfg.step_loss_decay ** torch.arange(J, dtype=torch.float32, device=hidden.device)
+    weight = mask * decay[:, None, None]
+    denom, scale = _normalizer(weight)
+    row_w = (weight * scale).reshape(-1)
+    target_hidden = outputs.target_hidden_states
+    loss, stats = fused_head_loss(
+        hidden.reshape(-1, d),
+        draft.lm_head.weight,
+        outputs.labels.reshape(-1),
+        torch.zeros_like(row_w),
+        target_hidden=target_hidden.reshape(-1, target_hidden.shape[-1]),
+        soft_ce_weight=row_w,
+        softcap=cfg.final_logit_softcapping,
+        chunk_elements=chunk_elements,
+        compile=compile,
+    )
+    shape = weight.shape
+    terms = {"loss_soft_ce": (weight * stats.soft_ce.view(shape)).sum() / denom}
+    # Position t drafts steps 0..J-1 in one round: estimates treat [B, T] as blocks of J slots.
+    to_blocks = lambda x: x.view(shape).permute(1, 2, 0)  # noqa: E731
+    accept = (1 - 0.5 * to_blocks(stats.l1)).clamp(0, 1)
+    estimates = {"supervised_tokens": mask.sum()}
+    estimates.update(
+        training_acceptance_estimates(accept, to_blocks(stats.greedy_match), to_blocks(outputs.eval_mask))
+    )
+    return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
+
+
+def draft_loss(draft, outputs, **kwargs) -> DraftLossOutput:
+    """The objective that matches the draft's training output (block drafters or Eagle3)."""
+    from ..models import BlockDraftOutput, Eagle3Output
+
+    if isinstance(outputs, BlockDraftOutput):
+        return block_draft_loss(draft, outputs, **kwargs)
+    if isinstance(outputs, Eagle3Output):
+        return eagle3_loss(draft, outputs, **kwargs)
+    raise TypeError(f"no objective for {type(outputs).__name__}: expected BlockDraftOutput or Eagle3Output")
+
+
+__all__ = [
+    "DEFAULT_CHUNK_ELEMENTS",
+    "DraftLossOutput",
+    "HeadStats",
+    "block_draft_loss",
+    "chunk_rows",
+    "draft_loss",
+    "eagle3_loss",
+    "fused_head_loss",
+    "global_sum",
+    "slot_weights",
+]

@@ -1,0 +1,131 @@
+"""`train_draft`: conversations -> (target cache) -> DraftTrainer -> a saved draft.
+
+The code path of `examples/train_dspark.py` and `hf-dspark train`. Under `accelerate launch` every process runs
+it: tokenization happens on the main process first (the others reuse its `datasets` cache), cache shards are
+built in parallel, and the Trainer places the draft.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .arguments import DraftTrainingArguments
+from .trainer import DraftTrainer, build_draft
+
+logger = logging.getLogger(__name__)
+
+TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class DraftScriptArguments:
+    """Where the data and the target come from (the draft and training fields are in DraftTrainingArguments)."""
+
+    train_file: str = field(
+        metadata={"help": "Conversations: JSON/JSONL(.gz) of {'messages': [...]} rows, a saved dataset or a Hub name."}
+    )
+    target_model: str | None = field(
+        default=None, metadata={"help": "Target model folder or Hub name (default: embedded SmolLM2-135M-Instruct)."}
+    )
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Build (or reuse) the target cache here and train from it; without: online target."},
+    )
+    cache_dtype: str = field(default="bf16", metadata={"help": "Storage dtype of cached features: bf16, fp16 or fp8."})
+    cache_batch_size: int = field(default=8, metadata={"help": "Rows per target forward while building the cache."})
+    eval_rows: int = field(default=0, metadata={"help": "Conversations held out for evaluation (tau estimates)."})
+    target_dtype: str | None = field(
+        default=None, metadata={"help": "Target weights: float32, bfloat16 or float16 (default: bfloat16 with --bf16)."}
+    )
+
+
+def load_target(script_args: DraftScriptArguments, training_args: DraftTrainingArguments):
+    """(target, tokenizer) as the arguments describe them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = script_args.target_model
+    if path is None:
+        from ..resources import default_target_path
+
+        path = str(default_target_path())
+    name = script_args.target_dtype or ("bfloat16" if training_args.bf16 else "float32")
+    if name not in TARGET_DTYPES:
+        raise ValueError(f"target_dtype={name!r} is not one of {', '.join(TARGET_DTYPES)}")
+    target = AutoModelForCausalLM.from_pretrained(path, dtype=TARGET_DTYPES[name]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return target, tokenizer
+
+
+def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingArguments) -> DraftTrainer:
+    """Train a draft for the target on the conversations and save it to `training_args.output_dir`."""
+    from accelerate import PartialState
+
+    from ..data import build_target_cache, load_conversations, load_target_cache, tokenize_conversations
+
+    if script_args.eval_rows < 0:
+        raise ValueError(f"eval_rows must be >= 0, got {script_args.eval_rows}")
+    # Fail on a typo before loading anything.
+    from ..models import drafter_classes
+
+    drafter_classes(training_args.algorithm)
+    target, tokenizer = load_target(script_args, training_args)
+    with training_args.main_process_first(desc="tokenizing conversations"):
+        dataset = tokenize_conversations(
+            load_conversations(script_args.train_file),
+            tokenizer,
+            max_length=training_args.max_length,
+            min_loss_tokens=training_args.min_loss_tokens,
+        )
+    eval_dataset = None
+    if script_args.eval_rows:
+        if script_args.eval_rows >= len(dataset):
+            raise ValueError(f"eval_rows={script_args.eval_rows} leaves no training rows (the data has {len(dataset)})")
+        split = dataset.train_test_split(test_size=script_args.eval_rows, seed=training_args.seed)
+        dataset, eval_dataset = split["train"], split["test"]
+    draft = build_draft(target, training_args)
+
+    if script_args.cache_dir:
+        target.to(training_args.device)
+
+        def cached(rows, name: str):
+            path = build_target_cache(
+                target,
+                rows,
+                Path(script_args.cache_dir) / name,
+                target_layer_ids=draft.config.target_layer_ids,
+                tokenizer=tokenizer,
+                max_length=training_args.max_length,
+                min_loss_tokens=training_args.min_loss_tokens,
+                batch_size=script_args.cache_batch_size,
+                dtype=script_args.cache_dtype,
+            )
+            PartialState().wait_for_everyone()  # the main process finalizes the manifest after the shards
+            return load_target_cache(path, draft_config=draft.config, target=target)
+
+        dataset = cached(dataset, "train")
+        eval_dataset = cached(eval_dataset, "eval") if eval_dataset is not None else None
+        online_target = None
+        del target  # features come from the cache; free the target's memory before training
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    else:
+        online_target = target
+    trainer = DraftTrainer(
+        model=draft,
+        args=training_args,
+        train_dataset=dataset,
+        eval_dataset=eval_dataset,
+        target_model=online_target,
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if eval_dataset is not None:
+        trainer.log_metrics("eval", trainer.evaluate())
+    return trainer
+
+
+__all__ = ["DraftScriptArguments", "train_draft", "load_target"]

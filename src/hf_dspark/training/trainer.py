@@ -1,0 +1,313 @@
+"""`DraftTrainer`: a `Trainer` whose loss is the drafter's objective, fed from a target cache or a live target.
+
+    trainer = DraftTrainer(model=draft, args=DraftTrainingArguments(...), train_dataset=cache)          # cached
+    trainer = DraftTrainer(model=draft, args=..., train_dataset=tokenized, target_model=target)        # online
+
+Only `compute_loss` (plus collation, evaluation through the same loss, and metric logging) differs from
+`Trainer`: checkpoints are `save_pretrained` folders of the draft, resuming works as for any Trainer run, and
+`accelerate launch` / DeepSpeed place it.
+
+Online mode: the frozen target is kept out of the optimizer and out of DDP/DeepSpeed wrapping; inside
+`compute_loss` it runs under no_grad on the training device and yields the same context features and final
+hidden states a cache stores.
+
+Anchors are sampled here, not inside the draft, from a generator on the training device seeded by (seed, global
+step, micro-step, process index): a run resumed from a checkpoint, and online vs cached training on the same
+data, see the same anchors. The number of blocks per row is min(num_anchors, T - 1), a function of the padded
+length only, so the step has no host synchronization and compiled attention kernels see few distinct shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, set_seed
+
+from ..models import DraftPreTrainedModel, drafter_classes
+from ..models.anchors import sample_anchors
+from ..models.target import TargetSpec, target_features, validate_layer_ids
+from .arguments import DraftTrainingArguments
+from .collator import DraftDataCollator
+from .losses import draft_loss
+
+logger = logging.getLogger(__name__)
+
+
+def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrainedModel:
+    """A fresh draft of `args.algorithm` for `target`, shaped by the draft fields of `args`."""
+    config_cls, model_cls = drafter_classes(args.algorithm)
+    overrides = {}
+    if getattr(args, "num_anchors", None) is not None:
+        if not hasattr(config_cls, "num_anchors"):
+            raise ValueError(f"num_anchors does not apply to {args.algorithm} drafts (they train on every position)")
+        overrides["num_anchors"] = args.num_anchors
+    return model_cls.from_target(
+        target,
+        target_layer_ids=getattr(args, "target_layer_ids", None),
+        num_hidden_layers=getattr(args, "num_hidden_layers", None),
+        block_size=getattr(args, "block_size", None),
+        **overrides,
+    )
+
+
+def _mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers; deterministic across runs and processes."""
+    seed = 0x9E3779B97F4A7C15
+    for part in parts:
+        seed = (seed ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3 & 0xFFFFFFFFFFFFFFFF
+    return seed & 0x7FFFFFFFFFFFFFFF
+
+
+def _first_row(dataset) -> dict[str, Any] | None:
+    try:
+        return dataset[0] if len(dataset) else None
+    except TypeError:  # an IterableDataset
+        return None
+
+
+class DraftTrainer(Trainer):
+    """[`Trainer`] for speculative-decoding drafts (DSpark, DFlash, Eagle3).
+
+    Args:
+        model ([`DraftPreTrainedModel`], *optional*): the draft to train. When omitted it is built from
+            `target_model` with the draft fields of `args` (`algorithm`, `num_hidden_layers`, `block_size`, ...).
+        args ([`DraftTrainingArguments`]): training arguments.
+        train_dataset / eval_dataset: a target cache (`load_target_cache`: rows with `context_features` and
+            `target_last_hidden`) or a tokenized dataset (`tokenize_conversations`: `input_ids`, `loss_mask`),
+            which needs `target_model`.
+        target_model (`PreTrainedModel`, *optional*): the frozen target. Required for online training; with a
+            cache it only serves to validate that the cache belongs to it.
+    """
+
+    _tag_names = ["hf_dspark", "speculative-decoding"]
+
+    def __init__(
+        self,
+        model: DraftPreTrainedModel | None = None,
+        args: DraftTrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        target_model: nn.Module | None = None,
+        **kwargs,
+    ):
+        if args is None:
+            args = DraftTrainingArguments(output_dir="draft-trainer-output")
+        if model is None:
+            if target_model is None:
+                raise ValueError("DraftTrainer needs a draft `model`, or a `target_model` to build one from")
+            set_seed(args.seed)  # as Trainer does before model_init: the same seed gives the same draft
+            model = build_draft(target_model, args)
+        if not isinstance(model, DraftPreTrainedModel):
+            raise TypeError(
+                f"DraftTrainer trains draft models (DSparkModel, DFlashModel, Eagle3Model), got {type(model).__name__}"
+            )
+        if target_model is not None:
+            _check_target(model, target_model)
+        datasets_ = {"train_dataset": train_dataset}
+        if isinstance(eval_dataset, dict):
+            datasets_.update({f"eval_dataset[{k}]": v for k, v in eval_dataset.items()})
+        elif eval_dataset is not None:
+            datasets_["eval_dataset"] = eval_dataset
+        for name, dataset in datasets_.items():
+            if dataset is not None:
+                _check_dataset(name, dataset, model, target_model)
+        if data_collator is None:
+            pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+            multiple = getattr(args, "pad_to_multiple_of", 8)
+            data_collator = DraftDataCollator(pad_token_id=pad, pad_to_multiple_of=multiple)
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        # The objective normalizes itself; Trainer only divides by the gradient-accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        self.target_model = None
+        if target_model is not None:
+            self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
+        self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
+        self._anchor_step, self._anchor_micro = -1, 0
+        self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
+
+    # -- the loss ---------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if model.training else "eval"
+        draft = self.accelerator.unwrap_model(model)
+        inputs = dict(inputs)
+        if "context_features" not in inputs:
+            inputs.update(self._target_features(draft, inputs))
+        if hasattr(draft.config, "num_anchors"):
+            generator = self._anchor_generator(mode, inputs)
+            loss_mask = inputs["loss_mask"] * inputs["attention_mask"]
+            positions, valid = sample_anchors(loss_mask, draft.config.num_anchors, generator, fixed_count=True)
+            inputs.update(anchor_positions=positions, anchor_mask=valid)
+        outputs = model(**inputs)
+        with self._gathered_output_weights(draft):
+            result = draft_loss(
+                draft,
+                outputs,
+                chunk_elements=getattr(self.args, "loss_chunk_elements", None),
+                compile=getattr(self.args, "compile_loss", False),
+            )
+        self._record(mode, result)
+        return (result.loss, outputs) if return_outputs else result.loss
+
+    def _target_features(self, draft, inputs) -> dict[str, torch.Tensor]:
+        if self.target_model is None:
+            raise ValueError(
+                "the batch has no target features: pass target_model=... to DraftTrainer (online training) or "
+                "train from a target cache (build_target_cache + load_target_cache)"
+            )
+        context, last = target_features(
+            self.target_model, inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"]
+        )
+        return {"context_features": context, "target_last_hidden": last}
+
+    def _anchor_generator(self, mode: str, inputs) -> torch.Generator:
+        if mode == "train":
+            step = self.state.global_step
+            if step != self._anchor_step:  # micro-steps of one optimizer step are counted from 0
+                self._anchor_step, self._anchor_micro = step, 0
+            seed = _mix_seed(self.args.seed, step, self._anchor_micro, self.args.process_index)
+            self._anchor_micro += 1
+        else:  # evaluation: anchors depend on the batch only, so every evaluation sees the same blocks
+            seed = _mix_seed(self.args.seed, -1, int(inputs["input_ids"].sum()), inputs["input_ids"].shape[1])
+        return torch.Generator(device=self.args.device).manual_seed(seed)
+
+    def _gathered_output_weights(self, draft):
+        """Under DeepSpeed ZeRO-3, gather lm_head and W2 (used outside a module forward by the chunked loss)."""
+        if not getattr(self, "is_deepspeed_enabled", False):
+            return contextlib.nullcontext()
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():
+            return contextlib.nullcontext()
+        import deepspeed
+
+        params = [draft.lm_head.weight]
+        if hasattr(draft, "markov_head"):
+            params.append(draft.markov_head.markov_w2.weight)
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    # -- logging ----------------------------------------------------------------------------------------------
+
+    def _record(self, mode: str, result) -> None:
+        metrics = self._metrics[mode]
+        metrics["_batches"] += 1
+        for name, value in {**result.terms, **result.estimates}.items():
+            metrics[name] = metrics[name] + value.detach().float()
+        if mode == "train":
+            self.supervised_tokens_seen += result.estimates["supervised_tokens"].detach()
+
+    def _summarize(self, mode: str) -> dict[str, float]:
+        """Sum this window's metrics over processes (one all-reduce) and turn sums into means."""
+        metrics = self._metrics[mode]
+        batches = metrics.pop("_batches")
+        names = sorted(metrics)
+        flat = torch.cat([torch.as_tensor(metrics[n], device=self.args.device).reshape(-1) for n in names])
+        flat = self.accelerator.reduce(flat, reduction="sum").cpu()
+        sums, offset = {}, 0
+        for n in names:
+            size = torch.as_tensor(metrics[n]).numel()
+            sums[n] = flat[offset : offset + size]
+            offset += size
+        metrics.clear()
+        logs = {}
+        for n in names:
+            if n.startswith("loss_"):  # each process holds its share of the global term; mean over micro-batches
+                logs[n] = float(sums[n]) / batches
+        if "blocks" in sums and float(sums["blocks"]) > 0:
+            logs["tau_prob"] = float(sums["tau_prob_sum"] / sums["blocks"])
+            logs["tau_greedy"] = float(sums["tau_greedy_sum"] / sums["blocks"])
+            for k, (hit, count) in enumerate(zip(sums["accept_sum"].tolist(), sums["accept_count"].tolist())):
+                if count > 0:
+                    logs[f"accept@{k + 1}"] = hit / count
+        if "supervised_tokens" in sums:
+            logs["supervised_tokens"] = float(sums["supervised_tokens"])
+        return logs
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        # Every process calls log() at the same points, so the all-reduce inside _summarize is collective.
+        if self._metrics[mode].get("_batches", 0):
+            prefix = "eval_" if mode == "eval" else ""
+            # In place: evaluate() returns this very dict.
+            logs.update({prefix + k: v for k, v in self._summarize(mode).items()})
+        super().log(logs, start_time)
+
+
+def _check_target(draft: DraftPreTrainedModel, target: nn.Module) -> None:
+    """Refuse a target the draft was not built for, naming the field."""
+    spec = TargetSpec.from_model(target)
+    cfg = draft.config
+    if spec.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"draft vocab {cfg.vocab_size} != target vocab {spec.vocab_size}: the draft was built for another target; "
+            "build it from this one with `from_target(target)`"
+        )
+    if cfg.target_hidden_size is not None and spec.hidden_size != cfg.target_hidden_size:
+        raise ValueError(
+            f"draft target_hidden_size {cfg.target_hidden_size} != target hidden size {spec.hidden_size}: the draft "
+            "was built for another target"
+        )
+    validate_layer_ids(cfg.target_layer_ids, spec.num_hidden_layers)
+
+
+def _check_dataset(name: str, dataset, draft: DraftPreTrainedModel, target: nn.Module | None) -> None:
+    """Empty data, untokenized data, a missing target and a cache of another target or other layers."""
+    try:
+        size = len(dataset)
+    except TypeError:
+        size = None
+    if size == 0:
+        raise ValueError(
+            f"{name} is empty: check the conversation file and the filters of tokenize_conversations "
+            "(max_length, min_loss_tokens)"
+        )
+    settings = getattr(dataset, "settings", None)
+    if settings is not None:  # a target cache: it must belong to this target and carry the draft's layers
+        from ..data import TargetCacheError, validate_target_cache
+
+        validate_target_cache(settings, draft_config=draft.config, target=target)
+        carried = list(getattr(dataset, "target_layer_ids", settings["target_layer_ids"]))
+        if carried != list(draft.config.target_layer_ids):
+            raise TargetCacheError(
+                f"{name} yields target layers {carried} but the draft reads {draft.config.target_layer_ids}: open "
+                "the cache with load_target_cache(path, draft_config=draft.config)"
+            )
+        return
+    row = _first_row(dataset)
+    if row is None:
+        return
+    missing = [key for key in ("input_ids", "loss_mask") if key not in row]
+    if missing:
+        raise ValueError(
+            f"{name} rows lack {missing} (they have {sorted(row)}): tokenize conversations with "
+            "tokenize_conversations(dataset, tokenizer, max_length), or load a target cache"
+        )
+    if "context_features" not in row and target is None:
+        raise ValueError(
+            f"{name} has no target features (columns {sorted(row)}): pass target_model=... to train online, or "
+            "build a target cache (build_target_cache) and train from load_target_cache(...)"
+        )
+
+
+__all__ = ["DraftTrainer", "build_draft"]

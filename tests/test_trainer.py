@@ -1,0 +1,272 @@
+"""DraftTrainer: online and cached training, checkpoints, resuming, logging, frozen target, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import pytest
+import torch
+from conftest import make_tiny_target
+from transformers import AutoModel, set_seed
+
+from hf_dspark import DSparkModel
+from hf_dspark.data import TargetCacheError, build_target_cache, load_target_cache
+from hf_dspark.training import DraftDataCollator, DraftTrainer, DraftTrainingArguments, build_draft
+from hf_dspark.models.anchors import sample_anchors
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight parallel test workers for cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tokenized_rows(n: int = 8, seed: int = 0, vocab: int = 96) -> datasets.Dataset:
+    """Tokenized conversations: a short unsupervised prompt, then an answer; lengths differ (padding matters)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = 18 + 3 * i
+        prompt = 4 + i % 3
+        ids = torch.randint(3, vocab, (length,), generator=gen).tolist()
+        rows.append({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)})
+    return datasets.Dataset.from_list(rows)
+
+
+def make_args(tmp_path, **kw) -> DraftTrainingArguments:
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=2e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        block_size=4,
+        num_hidden_layers=1,
+        num_anchors=8,
+        seed=7,
+    )
+    return DraftTrainingArguments(**{**defaults, **kw})
+
+
+def build_cache(target, rows, path, layer_ids):
+    path = build_target_cache(
+        target, rows, path, target_layer_ids=layer_ids, batch_size=1, progress=False, process_index=0, num_processes=1
+    )
+    return path
+
+
+def losses(trainer):
+    return [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def trainable_state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# -- online and cached ----------------------------------------------------------------------------------------------
+
+
+def fresh_draft(target, tmp_path, **kw):
+    set_seed(11)
+    return build_draft(target, make_args(tmp_path, **kw))
+
+
+def test_online_and_cached_training_give_the_same_loss(tmp_path):
+    target = make_tiny_target("llama").to(torch.bfloat16)  # bf16 features: exactly what a bf16 cache stores
+    rows = tokenized_rows()
+    online = DraftTrainer(model=fresh_draft(target, tmp_path), args=make_args(tmp_path), train_dataset=rows,
+                          target_model=target)  # fmt: skip
+    path = build_cache(target, rows, tmp_path / "cache", online.model.config.target_layer_ids)
+    cache = load_target_cache(path, draft_config=online.model.config, target=target)
+    cached = DraftTrainer(model=fresh_draft(target, tmp_path), args=make_args(tmp_path), train_dataset=cache)
+    assert cached.target_model is None
+    online.train()
+    cached.train()
+    assert len(losses(online)) == 3
+    assert losses(online) == losses(cached)
+    cached_state = trainable_state(cached.model)
+    for name, value in trainable_state(online.model).items():
+        torch.testing.assert_close(value, cached_state[name], rtol=0, atol=0)
+
+
+def test_online_target_is_frozen_and_outside_the_optimizer(tmp_path):
+    target = make_tiny_target("qwen3")
+    before = {n: p.detach().clone() for n, p in target.named_parameters()}
+    trainer = DraftTrainer(args=make_args(tmp_path, max_steps=2), train_dataset=tokenized_rows(), target_model=target)
+    trainer.train()
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert not any(id(p) in optimized for p in target.parameters())
+    assert not any(p.requires_grad for p in target.parameters()) and not target.training
+    for name, p in target.named_parameters():
+        assert torch.equal(p, before[name]), name
+    draft = trainer.model  # the draft's own copies of the target's embeddings / lm_head are frozen too
+    assert id(draft.lm_head.weight) not in optimized and id(draft.embed_tokens.weight) not in optimized
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
+
+
+# -- checkpoints, resuming, logging -------------------------------------------------------------------------------
+
+
+def test_checkpoints_load_as_drafts_and_resuming_continues_the_same_run(tmp_path):
+    target = make_tiny_target("llama")
+    rows = tokenized_rows()
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    straight = DraftTrainer(args=make_args(tmp_path / "a", **args), train_dataset=rows, target_model=target)
+    straight.train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-4"
+    loaded = AutoModel.from_pretrained(checkpoint)
+    assert isinstance(loaded, DSparkModel)
+    assert not loaded.lm_head.weight.requires_grad
+    for name, value in trainable_state(straight.model).items():
+        torch.testing.assert_close(dict(loaded.named_parameters())[name], value, rtol=0, atol=0)
+
+    # A new process resumes the interrupted run from checkpoint-2 (fresh draft, weights come from the checkpoint).
+    resumed = DraftTrainer(args=make_args(tmp_path / "b", **args), train_dataset=rows, target_model=target)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+    assert losses(resumed)[-2:] == losses(straight)[-2:]
+    resumed_state = trainable_state(resumed.model)
+    for name, value in trainable_state(straight.model).items():
+        torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0)
+
+
+def test_logs_report_tau_estimates_and_each_loss_term(tmp_path):
+    target = make_tiny_target("gemma3")
+    trainer = DraftTrainer(args=make_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2),
+                           train_dataset=tokenized_rows(), eval_dataset=tokenized_rows(4, seed=1),
+                           target_model=target)  # fmt: skip
+    trainer.train()
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    eval_logs = [h for h in trainer.state.log_history if "eval_loss" in h]
+    expected = {"loss_ce", "loss_l1", "loss_conf", "tau_prob", "tau_greedy", "accept@1", "accept@4"}
+    assert expected <= set(train_logs[0])
+    assert {"eval_" + k for k in expected} <= set(eval_logs[0])
+    for log in train_logs:
+        assert 1.0 <= log["tau_greedy"] <= 5.0 and 1.0 <= log["tau_prob"] <= 5.0
+        assert 0.0 <= log["accept@1"] <= 1.0
+        alphas = trainer.model.config
+        combined = alphas.ce_loss_alpha * log["loss_ce"] + alphas.l1_loss_alpha * log["loss_l1"]
+        combined += alphas.confidence_head_alpha * log["loss_conf"]
+        assert math.isclose(combined, log["loss"], rel_tol=1e-5)
+    # Evaluation anchors depend on the batch only: evaluating twice gives the same numbers.
+    first, second = trainer.evaluate(), trainer.evaluate()
+    assert first["eval_loss"] == second["eval_loss"] and first["eval_tau_prob"] == second["eval_tau_prob"]
+
+
+def learnable_rows(n: int = 8) -> datasets.Dataset:
+    """Sequences of a fixed recurrence x -> 7x + 5 (mod 93): the next tokens are predictable from the anchor."""
+    rows = []
+    for i in range(n):
+        x, ids = 3 + (11 * i) % 90, []
+        for _ in range(24):
+            ids.append(x)
+            x = 3 + (7 * x + 5) % 93
+        rows.append({"input_ids": ids, "loss_mask": [0] * 4 + [1] * 20})
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
+def test_every_drafter_learns(tmp_path, algorithm):
+    """Fifteen steps (with gradient accumulation): the loss goes down and the frozen head stays as it was."""
+    target = make_tiny_target("qwen2")
+    with torch.no_grad():  # a confident target: its distributions are far from the untrained draft's
+        target.lm_head.weight.mul_(10)
+    args = make_args(tmp_path, algorithm=algorithm, max_steps=15, learning_rate=1e-2, lr_scheduler_type="constant",
+                     num_anchors=None if algorithm == "eagle3" else 8, gradient_accumulation_steps=2)  # fmt: skip
+    trainer = DraftTrainer(args=args, train_dataset=learnable_rows(), target_model=target)
+    head = trainer.model.lm_head.weight.detach().clone()
+    trainer.train()
+    curve = [loss for _, loss in losses(trainer)]
+    assert len(curve) == 15 and all(math.isfinite(x) for x in curve)
+    assert sum(curve[-3:]) < 0.9 * sum(curve[:3]), curve
+    assert torch.equal(trainer.model.lm_head.weight, head)
+    assert trainer.model.config.model_type == algorithm
+
+
+# -- anchors and batches --------------------------------------------------------------------------------------------
+
+
+def test_anchor_count_depends_on_the_shape_only_and_is_seeded():
+    loss_mask = torch.zeros(3, 16, dtype=torch.long)
+    loss_mask[0, 2:] = 1
+    loss_mask[1, 10:14] = 1  # 3 candidates: 10, 11, 12
+    positions, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0), fixed_count=True)
+    assert positions.shape == valid.shape == (3, 6)
+    assert valid[0].all() and valid.sum(1).tolist() == [6, 3, 0]
+    assert positions[1, :3].tolist() == [10, 11, 12]
+    assert (positions[0].diff() > 0).all() and (positions[0] >= 2).all() and (positions[0] < 15).all()
+    again, _ = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(0), fixed_count=True)
+    other, _ = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(1), fixed_count=True)
+    assert torch.equal(positions, again) and not torch.equal(positions[0], other[0])
+    assert sample_anchors(loss_mask, 512, torch.Generator(), fixed_count=True)[0].shape == (3, 15)
+
+
+def test_collator_right_pads_to_a_multiple_of_8_with_masked_padding():
+    def row(ids, mask):
+        n = len(ids)
+        return {"input_ids": ids, "loss_mask": mask, "context_features": torch.ones(n, 4, dtype=torch.bfloat16),
+                "target_last_hidden": torch.ones(n, 2, dtype=torch.bfloat16)}  # fmt: skip
+
+    rows = [row([5, 6, 7], [0, 1, 1]), row(list(range(3, 13)), [1] * 10)]
+    batch = DraftDataCollator(pad_token_id=1, pad_to_multiple_of=8)(rows)
+    assert batch["input_ids"].shape == (2, 16)
+    assert batch["input_ids"][0].tolist() == [5, 6, 7] + [1] * 13
+    assert batch["attention_mask"].sum(1).tolist() == [3, 10]
+    assert batch["loss_mask"][0].tolist() == [0, 1, 1] + [0] * 13
+    assert batch["context_features"].dtype == torch.bfloat16 and batch["context_features"].shape == (2, 16, 4)
+    assert batch["context_features"][0, 3:].abs().sum() == 0
+    with pytest.raises(ValueError, match="loss_mask has 2 entries"):
+        DraftDataCollator()([{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}])
+
+
+# -- bad input ------------------------------------------------------------------------------------------------------
+
+
+def test_algorithm_typo_lists_the_valid_names(tmp_path):
+    with pytest.raises(ValueError, match="dspark, dflash, eagle3"):
+        DraftTrainer(args=make_args(tmp_path, algorithm="dsaprk"), train_dataset=tokenized_rows(),
+                     target_model=make_tiny_target("llama"))  # fmt: skip
+
+
+def test_draft_vocab_must_match_the_target(tmp_path):
+    draft = fresh_draft(make_tiny_target("llama"), tmp_path)
+    other = make_tiny_target("llama", vocab_size=128)
+    with pytest.raises(ValueError, match="draft vocab 96 != target vocab 128"):
+        DraftTrainer(model=draft, args=make_args(tmp_path), train_dataset=tokenized_rows(), target_model=other)
+
+
+def test_a_cache_of_another_target_or_other_layers_is_refused(tmp_path):
+    target = make_tiny_target("llama")
+    rows = tokenized_rows(4)
+    draft = fresh_draft(target, tmp_path, target_layer_ids=[1, 3])
+    path = build_cache(target, rows, tmp_path / "cache", [0, 2])
+    with pytest.raises(TargetCacheError, match="target_layer_ids"):
+        DraftTrainer(model=draft, args=make_args(tmp_path), train_dataset=load_target_cache(path))
+    same_layers = fresh_draft(target, tmp_path, target_layer_ids=[0, 2])
+    retrained = make_tiny_target("llama", seed=1)  # same architecture, other weights
+    with pytest.raises(TargetCacheError, match="target_weights_fingerprint"):
+        DraftTrainer(model=same_layers, args=make_args(tmp_path), train_dataset=load_target_cache(path),
+                     target_model=retrained)  # fmt: skip
+    qwen_draft = fresh_draft(make_tiny_target("qwen3"), tmp_path, target_layer_ids=[0, 2])
+    with pytest.raises(TargetCacheError, match="target_model_type"):
+        DraftTrainer(model=qwen_draft, args=make_args(tmp_path), train_dataset=load_target_cache(path))
+
+
+def test_empty_untokenized_or_featureless_data_is_refused(tmp_path):
+    target = make_tiny_target("llama")
+    draft = fresh_draft(target, tmp_path)
+    with pytest.raises(ValueError, match="train_dataset is empty"):
+        DraftTrainer(model=draft, args=make_args(tmp_path), train_dataset=tokenized_rows().select([]),
+                     target_model=target)  # fmt: skip
+    chats = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(ValueError, match="tokenize_conversations"):
+        DraftTrainer(model=draft, args=make_args(tmp_path), train_dataset=chats, target_model=target)
+    with pytest.raises(ValueError, match="pass target_model"):
+        DraftTrainer(model=draft, args=make_args(tmp_path), train_dataset=tokenized_rows())
