@@ -1,0 +1,44 @@
+"""Speculative decoding with hf_dspark drafts through `target.generate(..., assistant_model=draft)`.
+
+    import hf_dspark  # installs the generate() routing (integration.py)
+    out = target.generate(**inputs, assistant_model=draft, max_new_tokens=256, do_sample=True)
+    draft.last_generation_stats  # tau, per-position acceptance, verified tokens, draft/verify time
+
+Generation-config fields (generate() keywords or attributes of a GenerationConfig): `dspark_schedule`
+("none" | "threshold" | "prefix"), `dspark_threshold` (0.5), `dspark_sps_table` (None: profile and cache),
+`dspark_block_size` (or `num_assistant_tokens`); see `SpeculativeConfig`. Modules, in the order a round uses
+them: sampling (processed distributions), speculative (the loop), scheduler (verified prefix lengths, SPS
+tables), rejection (the one acceptance routine), stats; calibration fits STS temperatures; cli adds
+`hf-dspark calibrate` and `hf-dspark profile-sps`.
+"""
+
+from .calibration import CalibrationReport, calibrate_confidence
+from .integration import install, is_installed, uninstall
+from .rejection import VerifyResult, verify_block
+from .sampling import TokenSampler, sample_from
+from .scheduler import SPSTable, load_or_profile_sps, prefix_schedule, profile_sps, threshold_schedule
+from .speculative import SpeculativeConfig, check_draft_for_target, speculative_generate
+from .stats import SpeculativeStats
+
+install()
+
+__all__ = [
+    "TokenSampler",
+    "sample_from",
+    "verify_block",
+    "VerifyResult",
+    "SpeculativeConfig",
+    "SpeculativeStats",
+    "speculative_generate",
+    "check_draft_for_target",
+    "SPSTable",
+    "profile_sps",
+    "load_or_profile_sps",
+    "prefix_schedule",
+    "threshold_schedule",
+    "calibrate_confidence",
+    "CalibrationReport",
+    "install",
+    "uninstall",
+    "is_installed",
+]

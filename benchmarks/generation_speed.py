@@ -1,0 +1,333 @@
+"""Speculative decoding speed: tokens/s and tau of hf_dspark drafts through target.generate().
+
+Compares, on the same prompts and settings, at each batch size and temperature:
+  target        target.generate() alone (the baseline; speedup = tokens/s over this row's)
+  prompt_lookup transformers' prompt lookup decoding (prompt_lookup_num_tokens; transformers runs it at batch 1 only)
+  <draft>       each draft, whole blocks verified
+  <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
+  hf_dflash     transformers' built-in DFlash candidate generator (speculation_type="dflash"), only with
+                --hf-dflash-draft (a transformers-format DFlash checkpoint; hf_dspark DFlash drafts use
+                DeepSpec's slot convention and cannot run there)
+
+Timing: one warm-up call per method, then every prompt batch timed with CUDA-synchronized wall clock. Generated
+tokens are counted up to and including each row's first EOS. Prints a table last and writes JSON (command,
+hardware, versions, rows).
+
+GPU:   python benchmarks/generation_speed.py --draft dspark=runs/dspark --draft eagle3=runs/eagle3 \
+           --prompts ../shared/data/eval/mt-bench.jsonl --batch-sizes 1 16 --temperatures 0 1 --json bench.json
+CPU smoke test (tiny random target and drafts): python benchmarks/generation_speed.py --device cpu --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Row:
+    method: str
+    batch_size: int
+    temperature: float
+    new_tokens: int = 0
+    seconds: float = 0.0
+    tau: float | None = None
+    draft_time: float | None = None
+    verify_time: float | None = None
+    matches_target: bool | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.new_tokens / self.seconds if self.seconds > 0 else None
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=None, help="target folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", action="append", default=[], metavar="NAME=PATH", help="a trained draft (repeat)")
+    parser.add_argument("--prompts", default=None, help='{"turns": [...]} JSONL; the first turn is used')
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=10)
+    parser.add_argument("--threshold", type=float, default=0.5, help="dspark_threshold of the threshold rows")
+    parser.add_argument("--sps-table", default=None, help="SPS table JSON for the prefix rows (default: profile+cache)")
+    parser.add_argument("--hf-dflash-draft", default=None, help="transformers-format DFlash draft (hf_dflash row)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
+    parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
+    return parser.parse_args(argv)
+
+
+# -- setup ------------------------------------------------------------------------------------------------------
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_setup(args):
+    """(target, tokenizer or None, {name: draft}, prompts as token-id lists)."""
+    from transformers import AutoModel
+
+    import hf_dspark  # noqa: F401  (routes generate(assistant_model=draft))
+    from hf_dspark.generation.calibration import encode_prompts
+    from hf_dspark.generation.cli import load_target, read_prompts
+
+    device = torch.device(args.device)
+    dtype = _dtype(args.dtype, device)
+    if args.smoke:
+        return smoke_setup(args, device, dtype)
+    target, tokenizer = load_target(args.target, str(device), str(dtype).replace("torch.", ""))
+    drafts = {}
+    for spec in args.draft:
+        name, _, path = spec.partition("=")
+        if not path:
+            raise SystemExit(f"--draft expects NAME=PATH, got {spec!r}")
+        drafts[name] = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
+    if args.prompts is None:
+        raise SystemExit("--prompts is required (a {'turns': [...]} JSONL), or use --smoke")
+    prompts = encode_prompts(tokenizer, read_prompts(args.prompts, args.num_prompts))
+    return target, tokenizer, drafts, prompts
+
+
+def smoke_setup(args, device, dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    target = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+    drafts = {
+        "dspark": DSparkModel.from_target(target, num_hidden_layers=1, block_size=4, dtype=dtype),
+        "dflash": DFlashModel.from_target(target, num_hidden_layers=1, block_size=4, dtype=dtype),
+        "eagle3": Eagle3Model.from_target(target, block_size=4, dtype=dtype),
+    }
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, 128, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(min(args.num_prompts, 8))]
+    args.max_new_tokens = min(args.max_new_tokens, 16)
+    args.batch_sizes = sorted({min(b, 4) for b in args.batch_sizes})
+    return target, None, {k: v.eval() for k, v in drafts.items()}, prompts
+
+
+# -- measurement ------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eos_ids(target, tokenizer) -> list[int]:
+    ids = []
+    for value in (target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    return ids
+
+
+def _count(sequences, prompt_length: int, eos_ids) -> int:
+    new = sequences[:, prompt_length:]
+    if not eos_ids or new.shape[1] == 0:
+        return int(new.numel())
+    is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
+    full = torch.full_like(is_eos[:, 0], new.shape[1], dtype=torch.long)
+    ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, full)
+    return int(ends.sum())
+
+
+def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, draft=None, extra=None):
+    """Generate every prompt batch once (after one warm-up batch): (tokens, seconds, outputs, merged stats)."""
+    from hf_dspark.generation.calibration import left_pad
+
+    device = next(target.parameters()).device
+    kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        kwargs.update(do_sample=False)
+    if draft is not None:
+        kwargs["assistant_model"] = draft
+    kwargs.update(extra or {})
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for warm in {len(batches[0]): batches[0], len(batches[-1]): batches[-1]}.values():
+        # Warm-up, once per batch shape (this also profiles and caches the prefix scheduler's SPS table).
+        ids, mask = left_pad(warm, pad_id, device)
+        target.generate(ids, attention_mask=mask, **kwargs)
+    tokens, seconds, outputs, stats = 0, 0.0, [], None
+    torch.manual_seed(args.seed)
+    for batch in batches:
+        ids, mask = left_pad(batch, pad_id, device)
+        _sync(device)
+        start = time.perf_counter()
+        out = target.generate(ids, attention_mask=mask, **kwargs)
+        _sync(device)
+        seconds += time.perf_counter() - start
+        tokens += _count(out, ids.shape[1], eos_ids)
+        outputs.append(out[:, ids.shape[1] :].cpu())
+        if draft is not None and hasattr(draft, "last_generation_stats"):
+            call = draft.last_generation_stats
+            stats = call if stats is None else stats.merge(call)
+    return tokens, seconds, outputs, stats
+
+
+def benchmark(args) -> tuple[list[Row], dict]:
+    target, tokenizer, drafts, prompts = load_setup(args)
+    device = next(target.parameters()).device
+    pad_id = target.generation_config.pad_token_id
+    if pad_id is None:
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+    eos_ids = _eos_ids(target, tokenizer)
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else 0
+    hf_dflash, hf_dflash_note = load_hf_dflash(args, device, target)
+    rows: list[Row] = []
+    for temperature in args.temperatures:
+        for batch_size in args.batch_sizes:
+            base = Row("target", batch_size, temperature)
+            common = (target, prompts, batch_size, temperature, args, pad_id, eos_ids)
+            base.new_tokens, base.seconds, reference, _ = run_method(*common)
+            rows.append(base)
+            rows.append(prompt_lookup_row(*common))
+            for name, draft in drafts.items():
+                variants = [(name, {})]
+                if getattr(draft.config, "enable_confidence_head", False):
+                    sps = {"dspark_sps_table": args.sps_table} if args.sps_table else {}
+                    variants += [
+                        (f"{name}+threshold", {"dspark_schedule": "threshold", "dspark_threshold": args.threshold}),
+                        (f"{name}+prefix", {"dspark_schedule": "prefix", **sps}),
+                    ]
+                for label, extra in variants:
+                    row = Row(label, batch_size, temperature)
+                    row.new_tokens, row.seconds, outputs, stats = run_method(*common, draft, extra)
+                    if stats is not None:
+                        row.tau, row.draft_time, row.verify_time = stats.tau, stats.draft_time, stats.verify_time
+                        row.extra["accept_rate_by_position"] = stats.accept_rate_by_position
+                        row.extra["verified_tokens"] = stats.verified_tokens
+                    if temperature == 0:
+                        row.matches_target = all(torch.equal(a, b) for a, b in zip(outputs, reference))
+                    rows.append(row)
+            rows.append(hf_dflash_row(*common, hf_dflash, hf_dflash_note))
+    return rows, {"device": device, "dtype": str(next(target.parameters()).dtype)}
+
+
+def prompt_lookup_row(target, prompts, batch_size, temperature, args, pad_id, eos_ids) -> Row:
+    row = Row("prompt_lookup", batch_size, temperature)
+    if batch_size > 1:
+        row.note = "skipped: transformers' assisted decoding (prompt lookup) supports batch size 1 only"
+        return row
+    extra = {"prompt_lookup_num_tokens": args.prompt_lookup_tokens}
+    row.new_tokens, row.seconds, _, _ = run_method(target, prompts, 1, temperature, args, pad_id, eos_ids, None, extra)
+    return row
+
+
+def load_hf_dflash(args, device, target):
+    import transformers
+    from transformers import GenerationConfig
+
+    if not hasattr(GenerationConfig(), "speculation_type"):
+        return None, f"skipped: transformers {transformers.__version__} has no built-in DFlash path"
+    if not args.hf_dflash_draft:
+        return None, (
+            "skipped: needs --hf-dflash-draft (a transformers-format DFlash checkpoint); hf_dspark DFlash drafts "
+            "predict the token after each slot (DeepSpec convention) and cannot run in transformers' DFlash path"
+        )
+    from transformers import AutoModel
+
+    dtype = next(target.parameters()).dtype
+    model = AutoModel.from_pretrained(args.hf_dflash_draft, trust_remote_code=True, dtype=dtype)
+    return model.to(device).eval(), ""
+
+
+def hf_dflash_row(target, prompts, batch_size, temperature, args, pad_id, eos_ids, model, note) -> Row:
+    row = Row("hf_dflash", batch_size, temperature, note=note)
+    if model is None:
+        return row
+    if batch_size > 1:
+        row.note = "skipped: transformers' assisted decoding supports batch size 1 only"
+        return row
+    # The draft is not an hf_dspark model, so generate() goes to transformers untouched.
+    extra = {"speculation_type": "dflash"}
+    row.new_tokens, row.seconds, _, _ = run_method(target, prompts, 1, temperature, args, pad_id, eos_ids, model, extra)
+    return row
+
+
+# -- report -----------------------------------------------------------------------------------------------------
+
+
+def hardware(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    import transformers
+
+    info["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def table(rows: list[Row]) -> str:
+    base = {(r.batch_size, r.temperature): r.tokens_per_second for r in rows if r.method == "target"}
+    header = (
+        f"{'method':<20} {'batch':>5} {'temp':>4} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'spd/tau':>8} "
+        f"{'greedy=':>7}  note"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        tps = r.tokens_per_second
+        ref = base.get((r.batch_size, r.temperature))
+        speedup = tps / ref if tps and ref else None
+        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        ratio = speedup / r.tau if speedup and r.tau else None
+        same = "" if r.matches_target is None else ("yes" if r.matches_target else "NO")
+        lines.append(
+            f"{r.method:<20} {r.batch_size:>5} {r.temperature:>4g} {fmt(tps, '9.1f'):>9} {fmt(speedup, '8.2f'):>8} "
+            f"{fmt(r.tau, '6.2f'):>6} {fmt(ratio, '8.2f'):>8} {same:>7}  {r.note}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    rows, meta = benchmark(args)
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["generation_speed.py", *argv]),
+        "hardware": hardware(meta["device"]),
+        "dtype": meta["dtype"],
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "rows": [
+            {**{k: v for k, v in vars(r).items() if k != "extra"}, **r.extra, "tokens_per_second": r.tokens_per_second}
+            for r in rows
+        ],
+    }
+    with open(args.json, "w") as handle:
+        json.dump(result, handle, indent=2)
+    print(f"results written to {args.json}")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,707 @@
+"""The speculative decoding loop behind `target.generate(..., assistant_model=draft)`.
+
+One loop serves every batch size. Batch 1 is simply R = 1; we do not hand batch 1 to transformers'
+`_assisted_decoding` because (a) one rejection-sampling routine (`rejection.verify_block`) must serve every
+path, and HF's loop brings its own; (b) transformers 5.17's loop lets an
+accepted block run past EOS and checks stopping criteria only at block ends, so its output can differ from
+`target.generate()`; (c) the confidence schedulers, per-round statistics and Eagle3's "next token" feature
+wiring would be spread over callbacks whose signatures changed between 5.17 and 5.23. generate() still does
+all input preparation (generation config, logits processors and warpers, stopping criteria, the cache, input
+expansion for `num_return_sequences`), see `integration.py`, so the HF-facing behaviour is the same.
+
+A round, for the R requests still running (ALGORITHMS.md, "Speculative decoding"):
+1. the draft proposes n tokens after each request's anchor (its last committed token, not yet seen by the
+   target) with the exact distributions q it sampled from, processed by generate()'s own logits processors;
+2. the scheduler picks each row's verified prefix l_r (whole block, threshold, or Algorithm 1), never more
+   than the row's remaining token budget allows;
+3. one target forward over [anchor, x_1..x_L] (L = max_r l_r, shorter rows padded and masked) gives p_1..p_{L+1}
+   after the same logits processing `_sample` applies, and the target's context features (forward hooks:
+   independent of the 5.17/5.23 `output_hidden_states` index change);
+4. `verify_block` accepts a prefix and draws the correction/bonus token;
+5. tokens are committed up to the first stop (EOS inside an accepted block, max length, any stopping
+   criterion evaluated on every prefix, as `_sample` would), the target cache is cropped, and only the
+   committed positions' features go back to the draft (`extend_context`, with the following token for Eagle3).
+
+Target cache layout (batched rows accept different numbers of tokens). The DynamicCache stays rectangular:
+after each round it is cropped to the longest committed prefix among the rows that continue; a row that
+committed fewer tokens keeps "holes" there, masked out through the 2-D attention mask, and its position ids
+count real tokens only. Attention masking is elementwise, so full-attention targets see exactly the sequence
+they would see in `target.generate()`. Holes would shrink a sliding window (Gemma 2/3, Mistral-style
+`sliding_window`), so targets with sliding-window cache layers are decoded one row at a time, where no holes
+arise; recurrent/linear-attention layers cannot be rolled back and are rejected. Finished rows leave the
+batch (`batch_select_indices`), so late rounds only pay for the requests still running.
+
+Logits processors read `input_ids` in general (repetition penalty, min length, n-gram bans): for the target
+they run per position on each row's exact sequence (rows grouped by length; always called on the whole
+batch in its original order, since processors may hold per-row state such as the repetition penalty's
+prompt padding). Position-independent warpers
+(temperature, top-k, top-p, min-p, typical, epsilon, eta, ...) take a vectorized fast path. The draft's
+distributions use the same processors on left-padded sequences; any difference there only costs acceptance,
+never correctness, since q is exactly what the draft sampled from.
+
+Output: what generate() returns. Sequences are padded with pad_token_id after a row's end (as `_sample` pads
+rows finished by EOS); with `output_scores` / `output_logits` the per-step tuples hold zeros for rows that had
+already finished (transformers computes throw-away logits there). A row stopped early by a custom stopping
+criterion is padded as well (`_sample` keeps sampling such a row when no EOS criterion is configured).
+`num_return_sequences > 1` works when sampling (generate() expands the rows). `output_attentions` /
+`output_hidden_states` are not supported; the returned cache is the target's DynamicCache for batch 1 (every
+token but the last, as after `_sample`) and None otherwise (a batched cache contains holes).
+
+Bad input raises a ValueError that names the fix: a draft for another vocabulary, target architecture or
+target layers (`check_draft_for_target`; a different `target_name_or_path` with matching facts only warns,
+since paths differ between machines), a draft on another device (move it: we do not move user models behind
+their back), beam search, static/quantized or pre-filled caches, use_cache=False, a confidence schedule
+without a confidence head, a block override beyond a block drafter's block size (Eagle3 may go beyond its
+ttt_length: it drafts autoregressively), a streamer with batch > 1. A draft in another dtype is fine: target
+features are cast to the draft's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.generation import logits_process
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+
+from ..models.target import TargetFeatureHooks
+from .rejection import verify_block
+from .sampling import TokenSampler
+from .scheduler import (
+    SCHEDULES,
+    SPSTable,
+    cache_kwarg_name,
+    fixed_schedule,
+    load_or_profile_sps,
+    prefix_schedule,
+    threshold_schedule,
+)
+from .stats import SpeculativeStats
+
+logger = logging.getLogger(__name__)
+
+# Processors that ignore input_ids: applied once to every [row, position] at the same time.
+_POSITION_FREE = tuple(
+    cls
+    for cls in (
+        getattr(logits_process, name, None)
+        for name in (
+            "TemperatureLogitsWarper",
+            "TopKLogitsWarper",
+            "TopPLogitsWarper",
+            "TopHLogitsWarper",
+            "MinPLogitsWarper",
+            "TypicalLogitsWarper",
+            "EpsilonLogitsWarper",
+            "EtaLogitsWarper",
+            "LogitNormalization",
+            "InfNanRemoveLogitsProcessor",
+            "SuppressTokensLogitsProcessor",
+        )
+    )
+    if cls is not None
+)
+
+_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position"}
+
+
+# -- settings -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpeculativeConfig:
+    r"""
+    Speculative-decoding settings, read from generate() keywords or generation-config attributes
+    (keyword > the `generation_config` passed to generate() > the target's `generation_config` > default).
+
+    Args:
+        schedule (`str`, generation field `dspark_schedule`, defaults to "none"): "none" verifies whole blocks;
+            "threshold" the prefix before the first slot with confidence < `dspark_threshold`; "prefix" the
+            hardware-aware prefix scheduler (paper Algorithm 1). Confidence schedules need a DSpark draft with a
+            confidence head.
+        threshold (`float`, field `dspark_threshold`, defaults to 0.5): confidence threshold of "threshold".
+        sps_table (field `dspark_sps_table`, defaults to None): cost table of "prefix": an `SPSTable`, a
+            {tokens: steps_per_second} dict, (tokens, sps) pairs or a JSON path; None profiles the target on the
+            current device for the batch size at hand and caches the table (`~/.cache/hf_dspark/sps/`).
+        block_size (`int`, field `dspark_block_size` or generate()'s `num_assistant_tokens`, defaults to None):
+            draft tokens per round; None uses the draft's block size (Eagle3: `ttt_length`). At most the block
+            size for DSpark/DFlash.
+    """
+
+    schedule: str = "none"
+    threshold: float = 0.5
+    sps_table: Any = None
+    block_size: int | None = None
+
+    FIELDS = {
+        "dspark_schedule": "schedule",
+        "dspark_threshold": "threshold",
+        "dspark_sps_table": "sps_table",
+        "dspark_block_size": "block_size",
+    }
+
+    @classmethod
+    def pop_from(cls, kwargs: dict, generation_config=None, model_generation_config=None) -> "SpeculativeConfig":
+        """Remove the speculative keywords from generate()'s kwargs and resolve every field."""
+        values = {}
+        for key, name in cls.FIELDS.items():
+            for source in (model_generation_config, generation_config):
+                if source is not None and getattr(source, key, None) is not None:
+                    values[name] = getattr(source, key)
+            if key in kwargs:
+                value = kwargs.pop(key)
+                if value is not None:
+                    values[name] = value
+        if kwargs.get("num_assistant_tokens") is not None:
+            values.setdefault("block_size", kwargs.pop("num_assistant_tokens"))
+        kwargs.pop("num_assistant_tokens", None)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"dspark_schedule={self.schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+        if not 0.0 <= float(self.threshold) <= 1.0:
+            raise ValueError(f"dspark_threshold must be in [0, 1], got {self.threshold}")
+        if self.block_size is not None and int(self.block_size) < 1:
+            raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
+
+
+# -- validation ---------------------------------------------------------------------------------------------
+
+
+def check_draft_for_target(target, draft) -> None:
+    """Raise a ValueError naming the fix when `draft` cannot serve `target` (vocabulary, target identity and
+    layers, device). Dtypes may differ: target features are cast to the draft's dtype."""
+    from ..models.target import TargetSpec, validate_layer_ids
+
+    if getattr(target.config, "is_encoder_decoder", False):
+        raise ValueError("hf_dspark drafts accelerate decoder-only targets; this target is an encoder-decoder model")
+    spec = TargetSpec.from_model(target)
+    cfg = draft.config
+    if cfg.vocab_size != spec.vocab_size:
+        raise ValueError(
+            f"draft vocab {cfg.vocab_size} != target vocab {spec.vocab_size}: the draft was trained for another "
+            "target (load the draft that matches this target, or build one with DraftModel.from_target(target))"
+        )
+    facts = [
+        ("target_model_type", cfg.target_model_type, spec.model_type),
+        ("target_hidden_size", cfg.target_hidden_size, spec.hidden_size),
+        ("num_target_layers", cfg.num_target_layers, spec.num_hidden_layers),
+    ]
+    for name, recorded, actual in facts:
+        if recorded is not None and recorded != actual:
+            raise ValueError(
+                f"draft config {name}={recorded!r} but this target has {actual!r}: the draft was built for another "
+                "target model"
+            )
+    try:
+        validate_layer_ids(cfg.target_layer_ids or [], spec.num_hidden_layers)
+    except ValueError as err:
+        raise ValueError(f"the draft reads target layers this target cannot provide: {err}") from None
+    recorded_name = getattr(cfg, "target_name_or_path", None)
+    if recorded_name and spec.name_or_path and recorded_name != spec.name_or_path:
+        logger.warning(
+            "draft was built for target %r, generating with %r (same architecture and vocabulary; check that this "
+            "is the intended model)",
+            recorded_name,
+            spec.name_or_path,
+        )
+    target_device = next(target.parameters()).device
+    draft_device = next(draft.parameters()).device
+    if target_device != draft_device:
+        raise ValueError(
+            f"the draft is on {draft_device} but the target is on {target_device}: move it with "
+            f"draft.to('{target_device}') before generate()"
+        )
+
+
+def _num_draft_tokens(draft, config: SpeculativeConfig) -> int:
+    from ..models.eagle3 import Eagle3Model
+
+    block = draft.config.num_draft_tokens
+    if config.block_size is None:
+        return int(block)
+    n = int(config.block_size)
+    if not isinstance(draft, Eagle3Model) and n > block:
+        raise ValueError(
+            f"dspark_block_size / num_assistant_tokens = {n} exceeds the draft's block_size {block}: a block drafter "
+            f"proposes at most block_size tokens per round (use <= {block}, or a draft trained with a larger block)"
+        )
+    return n
+
+
+def _check_generation_config(generation_config, draft, config: SpeculativeConfig) -> None:
+    if generation_config.num_beams > 1:
+        raise ValueError(
+            "beam search (num_beams > 1) cannot be combined with a draft assistant: use num_beams=1 (greedy or "
+            "sampling), or drop assistant_model"
+        )
+    if generation_config.return_dict_in_generate and (
+        generation_config.output_attentions or generation_config.output_hidden_states
+    ):
+        raise ValueError(
+            "output_attentions / output_hidden_states are not supported with a draft assistant; drop them or run "
+            "generate() without assistant_model"
+        )
+    if generation_config.cache_implementation not in (None, "dynamic", "offloaded"):
+        raise ValueError(
+            f"cache_implementation={generation_config.cache_implementation!r}: speculative decoding rolls the target "
+            "cache back after every round, which needs a dynamic cache; drop cache_implementation"
+        )
+    if getattr(generation_config, "prompt_lookup_num_tokens", None) or getattr(
+        generation_config, "assistant_early_exit", None
+    ):
+        raise ValueError("prompt lookup / early-exit assistance cannot be combined with a draft assistant_model")
+    if config.schedule != "none":
+        has_head = getattr(draft.config, "enable_confidence_head", False)
+        if not has_head:
+            raise ValueError(
+                f"dspark_schedule={config.schedule!r} needs per-slot confidences, which only DSpark drafts with a "
+                f"confidence head produce ({type(draft).__name__} has none): use dspark_schedule='none'"
+            )
+
+
+# -- the loop -----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def speculative_generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    *,
+    draft,
+    speculative_config: SpeculativeConfig | None = None,
+    streamer=None,
+    **model_kwargs,
+):
+    """Decoding method handed to generate() as `custom_generate` (see `integration.py`)."""
+    start = time.perf_counter()
+    config = speculative_config or SpeculativeConfig()
+    _check_generation_config(generation_config, draft, config)
+    check_draft_for_target(model, draft)
+    cache_key = next((k for k in ("cache", "past_key_values") if k in model_kwargs), None)
+    cache = model_kwargs.pop(cache_key, None) if cache_key else None
+    if cache is None or not model_kwargs.get("use_cache", True):
+        raise ValueError("speculative decoding needs the target's KV cache: call generate() with use_cache=True")
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(
+            f"speculative decoding needs a DynamicCache (got {type(cache).__name__}): static and quantized caches "
+            "cannot be rolled back per round; pass no cache or a DynamicCache"
+        )
+    if cache.get_seq_length() > 0:
+        raise ValueError(
+            "a pre-filled cache cannot be continued with a draft (its positions have no draft context): pass the "
+            "full prompt without past_key_values/cache"
+        )
+    unknown = sorted(k for k, v in model_kwargs.items() if k not in _MODEL_KWARGS and v is not None)
+    if unknown:
+        raise ValueError(f"model inputs {unknown} are not supported by speculative decoding with a draft")
+    if input_ids.dim() != 2:
+        raise ValueError("speculative decoding needs input_ids of shape [batch, length] (inputs_embeds unsupported)")
+    batch = input_ids.shape[0]
+    if streamer is not None and batch > 1:
+        raise ValueError("streamer supports batch size 1 only (as in transformers); stream one prompt at a time")
+    if batch > 1 and generation_config._pad_token_tensor is None:
+        raise ValueError(
+            "batched speculative generation pads finished rows: set pad_token_id (or eos_token_id) in generate()"
+        )
+    input_ids = input_ids.to(next(model.parameters()).device)  # generate() accepts CPU inputs for a GPU model
+    attention_mask = model_kwargs.get("attention_mask")
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
+
+    decoder = _Decoder(model, draft, logits_processor, stopping_criteria, generation_config, config, streamer)
+    if any(getattr(cache, "is_linear", ()) or ()):
+        raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, which cannot be rolled back")
+    row_by_row = batch > 1 and any(getattr(cache, "is_sliding", ()) or ())
+    try:
+        if row_by_row:
+            for row in range(batch):
+                fresh = DynamicCache(config=model.config.get_text_config(decoder=True))
+                decoder.run(input_ids, attention_mask, fresh, rows=[row])
+        else:
+            decoder.run(input_ids, attention_mask, cache, rows=list(range(batch)))
+    finally:
+        if streamer is not None:
+            streamer.end()
+    decoder.stats.total_time = time.perf_counter() - start
+    draft.last_generation_stats = decoder.stats
+    if batch == 1 and not row_by_row:
+        # As after _sample: the cache holds every token but the last one (drop tokens accepted past a stop).
+        extra = cache.get_seq_length() - (input_ids.shape[1] + decoder.lengths[0] - 1)
+        if extra > 0:
+            cache.crop(-extra)
+    return decoder.output(cache if batch == 1 else None, cache_key)
+
+
+class _FullBatchProcessors(logits_process.LogitsProcessorList):
+    """generate()'s processors applied to a subset of its rows (`rows`, original indices): inputs are scattered
+    into the full batch first, since processors may hold per-row state sized to it."""
+
+    def __init__(self, processors):
+        super().__init__(processors)
+        self.rows = None
+        self.batch_size = 0
+        self.position_free = all(isinstance(p, _POSITION_FREE) for p in processors)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.position_free or self.rows is None:
+            return super().__call__(input_ids, scores, **kwargs)
+        full_ids = input_ids.new_zeros(self.batch_size, input_ids.shape[1])
+        full_ids[self.rows] = input_ids
+        full_scores = scores.new_zeros(self.batch_size, scores.shape[-1])
+        full_scores[self.rows] = scores
+        return super().__call__(full_ids, full_scores, **kwargs)[self.rows]
+
+
+class _Decoder:
+    """State of one generate() call: the output buffer and per-row lengths shared by every run()."""
+
+    def __init__(self, model, draft, logits_processor, stopping_criteria, generation_config, config, streamer):
+        self.model = model
+        self.draft = draft
+        self.config = config
+        self.generation_config = generation_config
+        self.streamer = streamer
+        self.do_sample = bool(generation_config.do_sample)
+        if logits_processor is None:
+            logits_processor = logits_process.LogitsProcessorList()
+        self.logits_processor = logits_processor
+        self.position_free = all(isinstance(p, _POSITION_FREE) for p in self.logits_processor)
+        stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
+        eos = [c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)]
+        self.eos_ids = torch.cat([e.reshape(-1) for e in eos]) if eos else None
+        self.other_criteria = StoppingCriteriaList(
+            [c for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+        )
+        self.max_length = int(generation_config.max_length)
+        pad = generation_config._pad_token_tensor
+        self.pad_id = int(pad.reshape(-1)[0]) if pad is not None else 0
+        self.num_tokens = _num_draft_tokens(draft, config)
+        self.draft_processors = _FullBatchProcessors(self.logits_processor)
+        self.sampler = TokenSampler(do_sample=self.do_sample, logits_processor=self.draft_processors)
+        self.cache_kwarg = cache_kwarg_name(model)
+        self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        self.sps_table = None
+        self.stats = SpeculativeStats(
+            drafter=getattr(draft.config, "model_type", type(draft).__name__),
+            schedule=config.schedule,
+            block_size=self.num_tokens,
+        )
+        self.buffer = None
+        self.prompt_length = 0
+        self.lengths: list[int] = []
+        self.row_scores: list[list] = []
+        self.row_logits: list[list] = []
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------
+
+    def _init_buffer(self, input_ids: torch.Tensor) -> None:
+        if self.buffer is not None:
+            return
+        batch, prompt = input_ids.shape
+        self.prompt_length = prompt
+        budget = max(self.max_length - prompt, 0)
+        self.budget = budget
+        width = prompt + budget + self.num_tokens + 2  # room for tentative drafts past the budget
+        self.buffer = torch.full((batch, width), self.pad_id, dtype=torch.long, device=input_ids.device)
+        self.buffer[:, :prompt] = input_ids
+        self.lengths = [0] * batch
+        self.row_scores = [[] for _ in range(batch)]
+        self.row_logits = [[] for _ in range(batch)]
+        self.stats.batch_size = batch
+
+    # -- logits processing ---------------------------------------------------------------------------------
+
+    def _process(self, logits: torch.Tensor, rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Target logits [R, W, V] at positions lengths[r] + k of each row -> processed float scores."""
+        logits = logits.float()
+        if len(self.logits_processor) == 0:
+            return logits
+        rows_n, width, vocab = logits.shape
+        if self.position_free:
+            flat = logits.reshape(rows_n * width, vocab)
+            dummy = torch.zeros(flat.shape[0], 0, dtype=torch.long, device=flat.device)
+            return self.logits_processor(dummy, flat.clone()).view(rows_n, width, vocab)
+        # Processors may keep per-row state (e.g. the repetition penalty's prompt padding per row): call them on
+        # the whole original batch, in its order; only the rows of the current length group are read back.
+        out = torch.empty_like(logits)
+        full = logits.new_zeros(self.buffer.shape[0], vocab)
+        groups: dict[int, list[int]] = {}
+        for i, length in enumerate(lengths):
+            groups.setdefault(length, []).append(i)
+        for length, members in groups.items():
+            local = torch.tensor(members, device=logits.device)
+            original = rows[local]
+            for k in range(width):
+                ids = self.buffer[:, : self.prompt_length + length + k]
+                scores = full.clone()
+                scores[original] = logits[local, k]
+                out[local, k] = self.logits_processor(ids, scores)[original]
+        return out
+
+    def _draft_input_ids(self, rows: torch.Tensor, lengths: list[int]) -> torch.Tensor | None:
+        """Each row's sequence so far, left-padded to a rectangle (only processors that read ids need it)."""
+        if self.position_free or len(self.logits_processor) == 0:
+            return None
+        total = torch.tensor([self.prompt_length + n for n in lengths], device=rows.device)
+        width = int(max(self.prompt_length + n for n in lengths))
+        cols = torch.arange(width, device=rows.device)[None, :] - (width - total)[:, None]
+        ids = self.buffer[rows].gather(1, cols.clamp(min=0))
+        return ids.masked_fill(cols < 0, self.pad_id)
+
+    # -- commits -------------------------------------------------------------------------------------------
+
+    def _commit(self, rows: torch.Tensor, row_ids: list[int], new_tokens: torch.Tensor, counts: torch.Tensor,
+                scores: torch.Tensor | None, raw: torch.Tensor | None) -> tuple[list[int], list[bool]]:
+        """Write new_tokens [R, c] (counts [R] of them per row) after each row's sequence, cutting at the first
+        stop. Returns (committed counts, finished flags) on the host."""
+        n_rows, width = new_tokens.shape
+        device = new_tokens.device
+        slot = torch.arange(width, device=device)[None, :]
+        in_count = slot < counts[:, None]
+        finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
+        if self.eos_ids is not None:
+            is_eos = torch.isin(new_tokens, self.eos_ids.to(device)) & in_count
+            first = torch.where(is_eos.any(-1), is_eos.long().argmax(-1) + 1, counts)
+            finished |= is_eos.any(-1)
+            counts = torch.minimum(counts, first)
+        start = torch.tensor([self.prompt_length + self.lengths[r] for r in row_ids], device=device)
+        cols = start[:, None] + slot
+        write = slot < counts[:, None]
+        row_index = rows[:, None].expand_as(cols)
+        self.buffer[row_index[write], cols[write]] = new_tokens[write]
+        host = torch.stack([counts, finished.long()]).tolist()
+        counts_h, finished_h = host[0], [bool(f) for f in host[1]]
+        if len(self.other_criteria):
+            counts_h, finished_h = self._apply_criteria(rows, row_ids, counts_h, finished_h, scores)
+        for i, r in enumerate(row_ids):
+            self.lengths[r] += counts_h[i]
+            if self.lengths[r] >= self.budget:
+                finished_h[i] = True
+        self.stats.new_tokens += sum(counts_h)
+        if self.want_scores or self.want_logits:
+            for i, r in enumerate(row_ids):
+                if self.want_scores:
+                    self.row_scores[r].extend(scores[i, : counts_h[i]].unbind(0))
+                if self.want_logits:
+                    self.row_logits[r].extend(raw[i, : counts_h[i]].float().unbind(0))
+        if self.streamer is not None:
+            self.streamer.put(new_tokens[:1, : counts_h[0]].cpu())
+        return counts_h, finished_h
+
+    def _apply_criteria(self, rows, row_ids, counts, finished, scores):
+        """Evaluate the non-EOS stopping criteria on every committed prefix; cut each row at its first stop.
+
+        Criteria see the whole batch (in its original order, as in `_sample`); rows are read back by length."""
+        counts, finished = list(counts), list(finished)
+        pending = {i: self.prompt_length + self.lengths[r] for i, r in enumerate(row_ids)}  # length before commit
+        for j in range(1, max(counts, default=0) + 1):
+            by_length: dict[int, list[int]] = {}
+            for i, base in pending.items():
+                if j <= counts[i]:
+                    by_length.setdefault(base + j, []).append(i)
+            for length, members in by_length.items():
+                stop = self.other_criteria(self.buffer[:, :length], None)
+                for i in members:
+                    if bool(stop[row_ids[i]]):
+                        counts[i], finished[i] = j, True
+                        pending.pop(i)
+        return counts, finished
+
+    # -- one batch of rows ---------------------------------------------------------------------------------
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache, rows: list[int]) -> None:
+        self._init_buffer(input_ids)
+        if self.budget <= 0:
+            return
+        device = input_ids.device
+        model, draft = self.model, self.draft
+        row_ids = list(rows)
+        self.run_rows = len(row_ids)
+        rows_t = torch.tensor(row_ids, device=device)
+        prompt = input_ids[rows_t]
+        mask = attention_mask[rows_t].long()
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()  # sliding-window layers must keep states we may crop back to
+        cache_kw = {self.cache_kwarg: cache}
+
+        with TargetFeatureHooks(model, draft.config.target_layer_ids, capture_last_hidden=False) as hooks:
+            # Prefill: the target's first token, exactly as _sample draws it.
+            t0 = time.perf_counter()
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+            out = model(input_ids=prompt, attention_mask=mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1, **cache_kw)
+            raw = out.logits[:, -1:].float()
+            scores = self._process(raw, rows_t, [0] * len(row_ids))
+            first = self._select(scores[:, 0])
+            dcache = draft.new_context_cache(len(row_ids), capacity=prompt.shape[1] + self.budget + 2)
+            valid = mask.bool()
+            # Left-padding positions have no real context (fully masked queries); keep them out of the draft.
+            features = hooks.features.masked_fill(~valid[..., None], 0.0)
+            following = torch.cat([prompt[:, 1:], first[:, None]], dim=1)  # the token after each position
+            draft.extend_context(dcache, features, valid=valid, next_token_ids=following)
+            del out
+            counts, finished = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
+            self.stats.prefill_time += time.perf_counter() - t0
+            real = mask.sum(-1)  # real tokens of each row in the target cache (= the anchor's position)
+
+            while True:
+                keep = [i for i, f in enumerate(finished) if not f]
+                if not keep:
+                    break
+                if len(keep) < len(row_ids):
+                    index = torch.tensor(keep, device=device)
+                    cache.batch_select_indices(index)
+                    dcache.select(index)
+                    mask, real, rows_t = mask[index], real[index], rows_t[index]
+                    row_ids = [row_ids[i] for i in keep]
+                counts, finished, mask, real = self._round(cache_kw, dcache, hooks, rows_t, row_ids, mask, real)
+
+    def _select(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(-1)
+        return scores.argmax(dim=-1)
+
+    def _schedule(self, proposal, caps: torch.Tensor) -> torch.Tensor:
+        schedule = self.config.schedule
+        if proposal is None:
+            return torch.zeros_like(caps)
+        if schedule == "none":
+            return fixed_schedule(caps, proposal.tokens.shape[1])
+        conf = proposal.confidences
+        if schedule == "threshold":
+            return threshold_schedule(conf, float(self.config.threshold), caps)
+        if self.sps_table is None:
+            if self.config.sps_table is not None:
+                self.sps_table = SPSTable.from_any(self.config.sps_table)
+            else:
+                # Keyed by the batch this run started with (rows leave as they finish; profile once per shape).
+                self.sps_table = load_or_profile_sps(self.model, batch_size=self.run_rows)
+        return prefix_schedule(conf, self.sps_table, max_lengths=caps)
+
+    def _round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real):
+        model, draft = self.model, self.draft
+        device = rows_t.device
+        n_rows = len(row_ids)
+        t0 = time.perf_counter()
+        lengths = [self.lengths[r] for r in row_ids]
+        # The bonus token is committed too: verify at most budget - generated - 1 draft tokens.
+        caps_h = [max(0, min(self.num_tokens, self.budget - n - 1)) for n in lengths]
+        caps = torch.tensor(caps_h, device=device)
+        anchors = self.buffer[rows_t, self.prompt_length + torch.tensor(lengths, device=device) - 1]
+        proposal = None
+        if max(caps_h) > 0:
+            self.draft_processors.rows, self.draft_processors.batch_size = rows_t, self.buffer.shape[0]
+            proposal = draft.propose(
+                dcache,
+                anchors,
+                sampler=self.sampler,
+                num_tokens=max(caps_h),
+                input_ids=self._draft_input_ids(rows_t, lengths),
+            )
+        verify_len = self._schedule(proposal, caps)
+        width = int(verify_len.max().item()) + 1  # host sync 1: the verification width
+        t1 = time.perf_counter()
+        self.stats.draft_time += t1 - t0
+
+        window = anchors[:, None]
+        if width > 1:
+            drafts = proposal.tokens[:, : width - 1]
+            window = torch.cat([window, drafts], dim=1)
+            # Tentative drafts after each sequence: the target's logits processors read them.
+            start = self.prompt_length + torch.tensor(lengths, device=device)
+            cols = start[:, None] + torch.arange(width - 1, device=device)
+            self.buffer[rows_t[:, None].expand_as(cols), cols] = drafts
+        slot = torch.arange(width, device=device)[None, :]
+        window_valid = slot <= verify_len[:, None]
+        positions = real[:, None] + slot
+        out = model(
+            input_ids=window,
+            attention_mask=torch.cat([mask, window_valid.long()], dim=1),
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=width,
+            **cache_kw,
+        )
+        raw = out.logits[:, -width:].float()
+        del out
+        scores = self._process(raw, rows_t, lengths)
+        result = verify_block(
+            scores,
+            window[:, 1:],
+            None if proposal is None else proposal.probs[:, : width - 1],
+            verify_len,
+            self.do_sample,
+        )
+        accepted = result.num_accepted
+        # new_tokens[:, j] = the token after window position j: x_{j+1} while accepted, then the new token.
+        new_tokens = torch.cat([window[:, 1:], window[:, :1]], dim=1)
+        new_tokens = new_tokens.scatter(1, accepted[:, None], result.next_tokens[:, None])
+        counts, finished = self._commit(rows_t, row_ids, new_tokens, accepted + 1, scores, raw)  # host sync 2
+        t2 = time.perf_counter()
+        self.stats.verify_time += t2 - t1
+        confidences = None if proposal is None else proposal.confidences
+        self.stats.acceptance.add_round(verify_len, accepted, confidences, committed=torch.tensor(counts))
+
+        # Roll the target cache back to the longest committed prefix among continuing rows; others keep holes.
+        accepted_h = accepted.tolist()
+        continuing = [i for i, f in enumerate(finished) if not f]
+        keep = max(accepted_h[i] + 1 for i in (continuing or range(n_rows)))
+        cache = cache_kw[self.cache_kwarg]
+        cache.crop(-(width - keep))
+        committed = slot[:, :keep] <= accepted[:, None]
+        mask = torch.cat([mask, committed.long()], dim=1)
+        real = real + accepted + 1
+        if continuing:
+            draft.extend_context(dcache, hooks.features, valid=slot <= accepted[:, None], next_token_ids=new_tokens)
+            self.stats.draft_time += time.perf_counter() - t2  # context K/V of the committed positions
+        return counts, finished, mask, real
+
+    # -- output --------------------------------------------------------------------------------------------
+
+    def output(self, cache, cache_key):
+        if self.buffer is None:
+            raise RuntimeError("generate() produced no output")
+        total = self.prompt_length + max(self.lengths, default=0)
+        sequences = self.buffer[:, :total].clone()
+        ends = self.prompt_length + torch.tensor(self.lengths, device=sequences.device)
+        sequences.masked_fill_(torch.arange(total, device=sequences.device)[None, :] >= ends[:, None], self.pad_id)
+        gc = self.generation_config
+        if not gc.return_dict_in_generate:
+            return sequences
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        steps = max(self.lengths, default=0)
+        values = {
+            "sequences": sequences,
+            "scores": self._per_step(self.row_scores, steps) if self.want_scores else None,
+            "logits": self._per_step(self.row_logits, steps) if self.want_logits else None,
+        }
+        names = {f.name for f in fields(GenerateDecoderOnlyOutput)}
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                values[name] = cache
+        output = GenerateDecoderOnlyOutput(**values)
+        output.speculative_stats = self.stats
+        return output
+
+    @staticmethod
+    def _per_step(per_row: list[list[torch.Tensor]], steps: int):
+        reference = next((v[0] for v in per_row if v), None)
+        if reference is None:
+            return ()
+        zeros = torch.zeros_like(reference)
+        return tuple(torch.stack([v[t] if t < len(v) else zeros for v in per_row]) for t in range(steps))
+
+
+__all__ = ["SpeculativeConfig", "speculative_generate", "check_draft_for_target"]

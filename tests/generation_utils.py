@@ -1,0 +1,138 @@
+"""Helpers shared by the generation tests: drafts for tiny targets, an oracle proposer, exact target distributions
+and a chi-square goodness-of-fit test."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
+from hf_dspark.models.modeling_draft import DraftProposal
+
+DRAFTERS = {"dspark": DSparkModel, "dflash": DFlashModel, "eagle3": Eagle3Model}
+
+
+def make_draft(name: str, target, block_size: int = 4, seed: int = 1, **overrides):
+    """A randomly initialised draft of drafter `name` for `target` (one layer, small block)."""
+    torch.manual_seed(seed)
+    # block_size is Eagle3's ttt_length (from_target maps it).
+    return DRAFTERS[name].from_target(target, num_hidden_layers=1, block_size=block_size, **overrides).eval()
+
+
+def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
+    return ids, mask
+
+
+class OracleProposer:
+    """Replaces `draft.propose` with the target's own greedy continuation, corrupted at random slots.
+
+    Rows then accept long and different numbers of tokens per round, which exercises the batched loop's cache
+    holes, EOS and budget cuts inside accepted blocks. `reference` [B, P + T] is target.generate(do_sample=False)
+    output for the same (left-padded) prompts; only greedy decoding may use it (no real q distributions).
+    """
+
+    def __init__(self, draft, reference: torch.Tensor, attention_mask: torch.Tensor, corrupt: float = 0.25, seed=0):
+        self.draft = draft
+        self.reference = reference
+        self.prompt_length = attention_mask.shape[1]
+        self.real_prompt = attention_mask.sum(-1)
+        self.corrupt = corrupt
+        self.generator = torch.Generator().manual_seed(seed)
+        self.offset = 0
+        self._new_cache = draft.new_context_cache
+        draft.new_context_cache = self.new_context_cache
+        draft.propose = self.propose
+
+    def new_context_cache(self, batch_size, capacity=256):
+        cache = self._new_cache(batch_size, capacity)
+        # Row identities survive `cache.select` (it filters tensors in `state`); row-by-row runs come in order.
+        cache.state["row_ids"] = torch.arange(self.offset, self.offset + batch_size)
+        self.offset += batch_size
+        return cache
+
+    def propose(self, cache, anchor_ids, *, sampler=None, num_tokens=None, input_ids=None, draft_tokens=None):
+        rows = cache.state["row_ids"]
+        generated = cache.lengths.cpu() - self.real_prompt[rows] + 1  # tokens generated so far, incl. the anchor
+        cols = self.prompt_length + generated[:, None] + torch.arange(num_tokens)
+        cols = cols.clamp(max=self.reference.shape[1] - 1)
+        tokens = self.reference[rows[:, None], cols].clone()
+        vocab = self.draft.config.vocab_size
+        flip = torch.rand(tokens.shape, generator=self.generator) < self.corrupt
+        tokens[flip] = torch.randint(0, vocab, (int(flip.sum()),), generator=self.generator)
+        probs = torch.nn.functional.one_hot(tokens, vocab).float()
+        conf = torch.full(tokens.shape, 0.9)
+        return DraftProposal(tokens=tokens, probs=probs, logits=probs.log(), confidences=conf, confidence_logits=conf)
+
+
+def processors(temperature: float = 1.0, top_p: float | None = None) -> LogitsProcessorList:
+    """The warpers generate() builds for (temperature, top_p) with top_k=0, in generate()'s order."""
+    lp = LogitsProcessorList()
+    if temperature != 1.0:
+        lp.append(TemperatureLogitsWarper(temperature))
+    if top_p is not None and top_p < 1.0:
+        lp.append(TopPLogitsWarper(top_p))
+    return lp
+
+
+@torch.no_grad()
+def continuation_distribution(target, prompt: list[int], new_tokens: int, lp: LogitsProcessorList, eos: int, pad: int):
+    """Exact joint distribution {(y_1..y_n): prob} of the target's sampled continuation, by enumeration.
+
+    EOS is absorbing: after it, generate() emits pad tokens.
+    """
+    vocab = target.config.vocab_size
+    frontier = {(): 1.0}
+    for _ in range(new_tokens):
+        live = [s for s in frontier if eos not in s]
+        nxt = {s + (pad,): p for s, p in frontier.items() if eos in s}
+        if live:
+            ids = torch.tensor([list(prompt) + list(s) for s in live])
+            scores = lp(ids, target(ids).logits[:, -1].float())
+            probs = torch.softmax(scores, dim=-1).double()
+            for i, s in enumerate(live):
+                for v in range(vocab):
+                    pv = float(probs[i, v])
+                    if pv > 0:
+                        nxt[s + (v,)] = frontier[s] * pv
+        frontier = nxt
+    return frontier
+
+
+def chi_square_test(samples: list[tuple], expected: dict[tuple, float], min_expected: float = 5.0):
+    """Pearson chi-square goodness of fit of `samples` against `expected` probabilities.
+
+    Cells expected fewer than `min_expected` times are pooled into one bin (with any sample outside the support).
+    Returns (statistic, degrees of freedom, p-value).
+    """
+    n = len(samples)
+    counts: dict[tuple, int] = {}
+    for s in samples:
+        counts[s] = counts.get(s, 0) + 1
+    observed, predicted = [], []
+    pooled_e, pooled_o = 0.0, 0
+    for cell, prob in expected.items():
+        e = prob * n
+        if e >= min_expected:
+            predicted.append(e)
+            observed.append(counts.get(cell, 0))
+        else:
+            pooled_e += e
+            pooled_o += counts.get(cell, 0)
+    outside = sum(c for cell, c in counts.items() if cell not in expected)
+    if outside:
+        return float("inf"), len(predicted), 0.0
+    if pooled_e > 0:
+        predicted.append(pooled_e)
+        observed.append(pooled_o)
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, predicted))
+    dof = len(predicted) - 1
+    p_value = float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
+    return stat, dof, p_value

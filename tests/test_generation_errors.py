@@ -1,0 +1,153 @@
+"""Bad input to generate(..., assistant_model=draft): clear errors that name the fix, or a documented fix."""
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from generation_utils import left_padded, make_draft
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
+
+import hf_dspark  # noqa: F401
+from hf_dspark.generation.scheduler import cache_kwarg_name
+
+IDS = torch.tensor([[1, 5, 6, 7]])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return make_draft("dspark", target)
+
+
+def _generate(target, draft, ids=IDS, **kwargs):
+    kwargs.setdefault("max_new_tokens", 4)
+    kwargs.setdefault("do_sample", False)
+    return target.generate(ids, assistant_model=draft, **kwargs)
+
+
+def test_a_draft_for_another_vocabulary_is_rejected(target):
+    other = make_draft("dspark", make_tiny_target("llama", vocab_size=64))
+    with pytest.raises(ValueError, match="draft vocab 64 != target vocab 96"):
+        _generate(target, other)
+
+
+def test_a_draft_for_other_target_layers_is_rejected(target):
+    deeper = make_tiny_target("llama", num_layers=10)
+    draft = make_draft("eagle3", deeper, target_layer_ids=[1, 4, 7])
+    with pytest.raises(ValueError, match="num_target_layers=10 but this target has 6"):
+        _generate(target, draft)
+    draft.config.num_target_layers = None  # not recorded: the layer ids themselves are checked
+    with pytest.raises(ValueError, match="target layers this target cannot provide"):
+        _generate(target, draft)
+
+
+def test_a_draft_for_another_architecture_is_rejected(target):
+    with pytest.raises(ValueError, match="target_model_type='qwen3' but this target has 'llama'"):
+        _generate(target, make_draft("dflash", make_tiny_target("qwen3")))
+
+
+def test_beam_search_is_rejected(target, draft):
+    with pytest.raises(ValueError, match="num_beams=1"):
+        _generate(target, draft, num_beams=2)
+
+
+def test_a_static_cache_is_rejected(target, draft):
+    with pytest.raises(ValueError, match="dynamic cache"):
+        _generate(target, draft, cache_implementation="static")
+
+
+def test_a_prefilled_cache_is_rejected(target, draft):
+    cache = DynamicCache(config=target.config)
+    target(IDS[:, :2], use_cache=True, **{cache_kwarg_name(target): cache})
+    with pytest.raises(ValueError, match="without past_key_values"):
+        _generate(target, draft, **{cache_kwarg_name(target): cache})
+
+
+def test_use_cache_false_is_rejected(target, draft):
+    with pytest.raises(ValueError, match="use_cache=True"):
+        _generate(target, draft, use_cache=False)
+
+
+def test_attentions_and_hidden_states_are_rejected(target, draft):
+    with pytest.raises(ValueError, match="output_attentions / output_hidden_states"):
+        _generate(target, draft, return_dict_in_generate=True, output_attentions=True)
+
+
+def test_a_draft_on_another_device_is_rejected(target):
+    draft = make_draft("dspark", target).to("meta")
+    with pytest.raises(ValueError, match=r"draft.to\('cpu'\)"):
+        _generate(target, draft)
+
+
+def test_a_draft_in_another_dtype_is_used_as_is(target):
+    draft = make_draft("eagle3", target).to(torch.bfloat16)  # features are cast to the draft's dtype
+    ids, mask = left_padded([[5, 6, 7], [9, 10, 11, 12]])
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(_generate(target, draft, ids, attention_mask=mask, max_new_tokens=10), expected)
+
+
+def test_confidence_schedules_need_a_confidence_head(target):
+    for name in ("dflash", "eagle3"):
+        with pytest.raises(ValueError, match="confidence head"):
+            _generate(target, make_draft(name, target), dspark_schedule="threshold")
+
+
+def test_unknown_schedule_and_bad_threshold(target, draft):
+    with pytest.raises(ValueError, match="dspark_schedule='fast'"):
+        _generate(target, draft, dspark_schedule="fast")
+    with pytest.raises(ValueError, match="dspark_threshold"):
+        _generate(target, draft, dspark_schedule="threshold", dspark_threshold=1.5)
+
+
+def test_block_length_override(target):
+    block = make_draft("dspark", target, block_size=4)
+    with pytest.raises(ValueError, match="exceeds the draft's block_size 4"):
+        _generate(target, block, num_assistant_tokens=6)
+    expected = target.generate(IDS, max_new_tokens=10, do_sample=False)
+    assert torch.equal(_generate(target, block, max_new_tokens=10, dspark_block_size=2), expected)
+    stats = block.last_generation_stats
+    assert stats.block_size == 2 and stats.acceptance.proposed_total <= 2 * stats.acceptance.rounds
+    # Eagle3 drafts autoregressively: more tokens than its training unroll is allowed (they just get worse).
+    eagle = make_draft("eagle3", target, block_size=3)
+    assert torch.equal(_generate(target, eagle, max_new_tokens=10, num_assistant_tokens=5), expected)
+
+
+def test_generation_config_fields_are_read_from_the_models_generation_config(target):
+    draft = make_draft("dspark", target)
+    target.generation_config.dspark_schedule = "threshold"
+    target.generation_config.dspark_threshold = 0.99
+    try:
+        _generate(target, draft, max_new_tokens=8)
+    finally:
+        del target.generation_config.dspark_schedule, target.generation_config.dspark_threshold
+    stats = draft.last_generation_stats
+    assert stats.schedule == "threshold"
+    assert stats.acceptance.proposed_total == 0  # a random head never reaches 0.99 confidence
+    # ... or from a GenerationConfig passed to generate(); keywords win over both.
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, dspark_schedule="threshold", dspark_threshold=0.0)
+    _generate(target, draft, generation_config=config)
+    assert draft.last_generation_stats.acceptance.proposed_total > 0
+    _generate(target, draft, generation_config=config, dspark_schedule="none", dspark_block_size=1)
+    assert draft.last_generation_stats.schedule == "none" and draft.last_generation_stats.block_size == 1
+
+
+def test_streamer_needs_batch_size_one(target, draft):
+    ids, mask = left_padded([[5, 6, 7], [9, 10]])
+    with pytest.raises(ValueError, match="batch size 1"):
+        _generate(target, draft, ids, attention_mask=mask, streamer=BaseStreamer())
+
+
+def test_stop_strings_need_the_tokenizer(target, draft):
+    with pytest.raises(ValueError, match="tokenizer="):
+        _generate(target, draft, stop_strings=["."])
+
+
+def test_other_assistance_kinds_cannot_be_combined(target, draft):
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        _generate(target, draft, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match="custom_generate"):
+        _generate(target, draft, custom_generate=lambda *a, **k: None)

@@ -1,0 +1,279 @@
+"""Greedy speculative decoding through target.generate(..., assistant_model=draft) equals target.generate()."""
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from generation_utils import OracleProposer, left_padded, make_draft
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_dspark  # noqa: F401  (installs the generate() routing)
+
+PROMPTS = [[5, 6, 7, 8], [3, 4, 5, 6, 7, 9], [11, 12]]
+
+
+def _batch():
+    return left_padded(PROMPTS)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
+def test_greedy_matches_target_generate(family, drafter):
+    target = make_tiny_target(family)
+    draft = make_draft(drafter, target)
+    ids, mask = _batch()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, expected)
+    single = ids[1:2]
+    assert torch.equal(
+        target.generate(single, max_new_tokens=24, do_sample=False, assistant_model=draft),
+        target.generate(single, max_new_tokens=24, do_sample=False),
+    )
+    stats = draft.last_generation_stats
+    assert stats.acceptance.rounds > 0 and stats.tau >= 1.0
+
+
+def test_sliding_window_target_is_decoded_row_by_row_and_matches():
+    target = make_tiny_target("gemma3")  # sliding_window=16 < prompt + 24 new tokens
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_long_accepted_blocks_with_rows_accepting_different_lengths(family):
+    target = make_tiny_target(family)
+    draft = make_draft("dflash", target, block_size=6)
+    ids, mask = _batch()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    OracleProposer(draft, expected, mask, corrupt=0.2)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, expected)
+    stats = draft.last_generation_stats
+    assert stats.tau > 2.5  # blocks were mostly accepted, and partly rejected
+    assert 0 < stats.accept_rate_by_position[0] < 1
+
+
+def test_eos_inside_an_accepted_block_ends_the_row_there():
+    target = make_tiny_target("llama")
+    draft = make_draft("dspark", target, block_size=6)
+    ids, mask = _batch()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    prompt_length = ids.shape[1]
+    row, eos = _token_first_generated_mid_block(free[:, prompt_length:])  # call it EOS
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos)
+    OracleProposer(draft, free, mask, corrupt=0.0)  # every block is accepted whole, EOS falls inside one
+    out = target.generate(
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos, assistant_model=draft
+    )
+    assert torch.equal(out, expected)
+    generated = out[row, prompt_length:].tolist()
+    first = generated.index(eos)
+    assert first >= 2 and all(t == target.generation_config.pad_token_id for t in generated[first + 1 :])
+    acc = draft.last_generation_stats.acceptance
+    assert acc.committed < int(acc.hit.sum()) + acc.rounds  # some accepted tokens were cut after EOS
+
+
+def _token_first_generated_mid_block(generated, block_size=6):
+    """(row, token) of a token no row generates before index 2 and some row first generates at index 2..block_size:
+    with every draft accepted, round 1 commits indices 1..block_size+1, so it lands inside the accepted drafts."""
+    early = set(generated[:, :2].reshape(-1).tolist())
+    for row in range(generated.shape[0]):
+        for j in range(2, block_size + 1):
+            token = int(generated[row, j])
+            if token not in early and token not in generated[row, :j].tolist():
+                return row, token
+    raise AssertionError("no suitable token in the reference continuation")
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 8, 13])
+def test_max_new_tokens_is_exact_and_never_overshot(max_new_tokens):
+    target = make_tiny_target("qwen3")
+    draft = make_draft("eagle3", target, block_size=4)
+    ids, mask = _batch()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    OracleProposer(draft, target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False), mask, 0.0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    out = target.generate(ids, assistant_model=draft, **kwargs)
+    assert torch.equal(out, expected)
+    stats = draft.last_generation_stats
+    # Verification never spends target compute on tokens past the budget: committed == verified prefix + 1.
+    assert stats.acceptance.committed == stats.new_tokens - len(ids)
+    assert stats.new_tokens == max_new_tokens * len(ids)
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
+def test_logits_processors_that_read_the_sequence_match(drafter):
+    """Repetition penalty, n-gram bans and min length depend on each row's exact sequence and length."""
+    target = make_tiny_target("llama")
+    draft = make_draft(drafter, target, block_size=5)
+    ids, mask = _batch()
+    kwargs = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=6)
+    expected = target.generate(ids, attention_mask=mask, **kwargs)
+    assert torch.equal(target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs), expected)
+    OracleProposer(draft, expected, mask, corrupt=0.2)
+    assert torch.equal(target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs), expected)
+    assert draft.last_generation_stats.tau > 2
+
+
+class StopAfterToken(StoppingCriteria):
+    """Stops a row once `token` appears among its last `window` tokens (a criterion that reads input_ids)."""
+
+    def __init__(self, token: int, prompt_length: int):
+        self.token = token
+        self.prompt_length = prompt_length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.prompt_length :] == self.token).any(-1)
+
+
+def test_stopping_criteria_are_checked_after_every_committed_token():
+    target = make_tiny_target("llama")
+    draft = make_draft("dspark", target, block_size=6)
+    ids, mask = _batch()
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    token = int(free[1, ids.shape[1] + 7])
+    criteria = StoppingCriteriaList([StopAfterToken(token, ids.shape[1])])
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, stopping_criteria=criteria)
+    OracleProposer(draft, free, mask, corrupt=0.0)
+    out = target.generate(
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, stopping_criteria=criteria, assistant_model=draft
+    )
+    assert torch.equal(out, expected)
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], 0
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_gets_the_prompt_then_every_committed_token_once():
+    target = make_tiny_target("llama")
+    draft = make_draft("dspark", target, block_size=5)
+    ids = torch.tensor([PROMPTS[1]])
+    reference = target.generate(ids, max_new_tokens=18, do_sample=False)
+    OracleProposer(draft, reference, torch.ones_like(ids), corrupt=0.2)
+    streamer = Collect()
+    out = target.generate(ids, max_new_tokens=18, do_sample=False, assistant_model=draft, streamer=streamer)
+    assert streamer.chunks[0] == PROMPTS[1]
+    assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1] :].tolist()
+    assert max(len(c) for c in streamer.chunks[1:]) > 1  # whole accepted blocks arrive at once
+    assert streamer.ended == 1
+
+
+def test_return_dict_in_generate_keeps_the_transformers_output_and_adds_stats():
+    target = make_tiny_target("qwen3")
+    draft = make_draft("dspark", target)
+    ids = torch.tensor([PROMPTS[0]])
+    kwargs = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    kwargs.update(output_scores=True, output_logits=True)
+    expected = target.generate(ids, **kwargs)
+    out = target.generate(ids, assistant_model=draft, **kwargs)
+    assert type(out) is type(expected)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert len(out.scores) == len(expected.scores) == 10
+    for mine, theirs in zip(out.scores, expected.scores):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    for mine, theirs in zip(out.logits, expected.logits):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert out.speculative_stats is draft.last_generation_stats
+    assert out_cache(out).get_seq_length() == out.sequences.shape[1] - 1 == out_cache(expected).get_seq_length()
+    summary = out.speculative_stats.to_dict()
+    assert summary["new_tokens"] == 10 and summary["rounds"] >= 1
+    assert summary["verified_tokens"] == summary["proposed_tokens"] + summary["rounds"]
+    assert summary["draft_time"] > 0 and summary["verify_time"] > 0
+
+
+def out_cache(output):
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+def test_batched_sampling_with_num_return_sequences():
+    target = make_tiny_target("llama")
+    draft = make_draft("eagle3", target)
+    ids, mask = _batch()
+    torch.manual_seed(0)
+    out = target.generate(
+        ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_return_sequences=2, assistant_model=draft
+    )
+    assert out.shape == (2 * len(PROMPTS), ids.shape[1] + 6)
+    assert torch.equal(out[::2, : ids.shape[1]], ids) and torch.equal(out[1::2, : ids.shape[1]], ids)
+
+
+def test_generate_without_a_draft_is_untouched():
+    from transformers.generation.utils import GenerationMixin
+
+    from hf_dspark.generation import integration
+
+    target = make_tiny_target("llama")
+    ids = torch.tensor([PROMPTS[0]])
+    routed = target.generate(ids, max_new_tokens=5, do_sample=False)
+    integration.uninstall()
+    try:
+        assert not integration.is_installed()
+        plain = GenerationMixin.generate(target, ids, max_new_tokens=5, do_sample=False)
+    finally:
+        integration.install()
+    assert integration.is_installed()
+    assert torch.equal(routed, plain)
+
+
+# -- the real SmolLM2-135M-Instruct ---------------------------------------------------------------------------
+
+CHAT = ["What is the capital of France?", "Write a haiku about rain.", "List three prime numbers."]
+
+
+def _chat_batch(tokenizer):
+    rows = [
+        tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)
+        for c in CHAT
+    ]
+    rows = [r["input_ids"] if hasattr(r, "keys") else r for r in rows]
+    return left_padded(rows, tokenizer.pad_token_id)
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_greedy_matches_target_generate_on_smollm2(smollm2):
+    target, tokenizer = smollm2
+    ids, mask = _chat_batch(tokenizer)  # left-padded; the first answer ends (EOS) before the others
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
+    draft = make_draft("dspark", target, block_size=5)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, expected)
+    # A draft that is mostly right: long accepted blocks, rows accepting different lengths, on the real model.
+    draft = make_draft("dflash", target, block_size=5)
+    OracleProposer(draft, expected, mask, corrupt=0.2)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=14, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, expected)
+    assert draft.last_generation_stats.tau > 2
+    single = ids[1:2, (mask[1] == 0).sum() :]
+    assert torch.equal(
+        target.generate(single, max_new_tokens=10, do_sample=False, assistant_model=make_draft("eagle3", target)),
+        target.generate(single, max_new_tokens=10, do_sample=False),
+    )
+
+
+@pytest.mark.real_model
+def test_stop_strings_cut_an_accepted_block_on_smollm2(smollm2):
+    target, tokenizer = smollm2
+    ids, mask = _chat_batch(tokenizer)
+    single = ids[:1, (mask[0] == 0).sum() :]  # "What is the capital of France?" -> "The capital of France is Paris."
+    free = target.generate(single, max_new_tokens=10, do_sample=False)
+    kwargs = dict(max_new_tokens=10, do_sample=False, stop_strings=["capital"], tokenizer=tokenizer)
+    expected = target.generate(single, **kwargs)
+    draft = make_draft("dspark", target, block_size=4)
+    OracleProposer(draft, free, torch.ones_like(single), corrupt=0.0)
+    out = target.generate(single, assistant_model=draft, **kwargs)
+    assert torch.equal(out, expected)
+    assert tokenizer.decode(out[0, single.shape[1] :]).endswith("capital")
+    assert draft.last_generation_stats.accept_rate_by_position[0] == 1.0  # the block was accepted, then cut
