@@ -57,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
     p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
     p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", default=None, help="after timing, profile 2 steps; write the kernel table here")
     return p.parse_args(argv)
 
 
@@ -100,6 +101,23 @@ def synthetic_batch(config, seq_len, device, dtype):
     last = torch.randn(1, seq_len, config.target_hidden_size, generator=gen)
     to = lambda t: t.to(device)  # noqa: E731
     return to(input_ids), to(loss_mask), to(context).to(dtype), to(last).to(dtype)
+
+
+def profile_steps(step, first: int, path: str, cuda: bool) -> None:
+    """Where a step's time goes: torch.profiler over 2 steps, operators sorted by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for i in range(first, first + 2):
+            step(i)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if cuda else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=40)
+    with open(path, "w") as f:
+        f.write(table)
+    print(prof.key_averages().table(sort_by=key, row_limit=15))
 
 
 def main(argv=None):
@@ -147,6 +165,8 @@ def main(argv=None):
         tokens.append(n)
         losses.append(loss)
     step_ms = statistics.median(times)
+    if args.profile:
+        profile_steps(step, args.warmup + args.steps, args.profile, cuda)
     supervised = float(torch.stack(tokens).float().mean())
     if cuda:
         peak_gib = torch.cuda.max_memory_allocated(device) / 2**30

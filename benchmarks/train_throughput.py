@@ -41,9 +41,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", required=True, help="conversations answered by the target (JSONL(.gz))")
     p.add_argument("--target_model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--algorithms", nargs="+", default=["dspark"], choices=["dspark", "dflash", "eagle3"],
+                   help="drafters to train one after another on the same data (same steps: see --same_steps)")
+    p.add_argument("--same_steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="later drafters train for as many steps as the first one reached in its time budget")
     p.add_argument("--mode", choices=["online", "cached"], default="online")
     p.add_argument("--cache_dir", default="/tmp/hf_dspark_bench_cache", help="cache folder (reused when present)")
     p.add_argument("--cache_dtype", default="bf16", choices=["bf16", "fp16", "fp8"])
+    p.add_argument("--probe_cache_rows", type=int, default=0,
+                   help="also build bf16 and fp8 caches of this many held-out rows and report their bytes/token")
     p.add_argument("--output_dir", default="/tmp/hf_dspark_bench_draft", help="where the trained draft is saved")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -58,9 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=6e-4)
-    p.add_argument("--warmup_ratio", type=float, default=0.04)
+    p.add_argument("--warmup_steps", type=int, default=50, help="linear LR warm-up, then constant")
+    p.add_argument("--lr_scheduler_type", default="constant_with_warmup",
+                   help="constant after warm-up: runs stopped by a time budget see the same schedule")
     p.add_argument("--max_steps", type=int, default=2000, help="upper bound; --time_budget usually stops first")
-    p.add_argument("--time_budget", type=float, default=300.0, help="seconds of training (after setup)")
+    p.add_argument("--time_budget", type=float, default=300.0,
+                   help="seconds of training per drafter, counted from the end of the first (compiling) step")
     p.add_argument("--warmup_steps_excluded", type=int, default=5, help="first steps left out of tokens/s")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
@@ -71,7 +80,7 @@ def parse_args(argv=None):
     if args.smoke:
         args.num_rows, args.eval_rows, args.max_length = 16, 4, 192
         args.num_hidden_layers, args.num_anchors, args.batch_size = 1, 32, 4
-        args.max_steps, args.time_budget, args.warmup_steps_excluded = 3, 600.0, 1
+        args.max_steps, args.time_budget, args.warmup_steps_excluded, args.warmup_steps = 3, 600.0, 1, 1
     if args.pad_to_multiple_of is None:
         args.pad_to_multiple_of = args.max_length
     if args.compile_loss is None:
@@ -95,11 +104,10 @@ class Throughput(TrainerCallback):
             torch.cuda.synchronize()
         return time.perf_counter(), float(self.trainer_ref[0].supervised_tokens_seen)
 
-    def on_train_begin(self, args, state, control, **kw):
-        self.train_start = time.perf_counter()
-
     def on_step_end(self, args, state, control, **kw):
         self.steps = state.global_step
+        if state.global_step == 1:  # the first step compiles kernels; the budget starts after it
+            self.train_start = time.perf_counter()
         if state.global_step == self.warmup_steps:
             self.start_time, self.start_tokens = self._mark()
             if self.cuda:
@@ -130,13 +138,73 @@ def main(argv=None):
     rows = tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
     split = rows.train_test_split(test_size=args.eval_rows, seed=args.seed)
     train_rows, eval_rows = split["train"], split["test"]
+    setup_s = time.perf_counter() - setup_start
+    cache_probe = probe_cache_sizes(args, target, tokenizer, eval_rows) if args.probe_cache_rows else {}
 
+    results, max_steps = [], args.max_steps
+    for index, algorithm in enumerate(args.algorithms):
+        output_dir = str(Path(args.output_dir) / algorithm) if len(args.algorithms) > 1 else args.output_dir
+        result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda)
+        result["setup_s"] = setup_s
+        results.append(result)
+        if index == 0 and args.same_steps:
+            max_steps = result["steps"]  # later drafters: the same number of optimizer steps
+    report = {
+        "benchmark": "train_throughput",
+        "command": "python " + " ".join(sys.argv),
+        "smoke": args.smoke,
+        "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "target": target_path,
+        "train_rows": len(train_rows),
+        "eval_rows": len(eval_rows),
+        "cache_probe": cache_probe,
+        "runs": results,
+    }
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+    print_table(results)
+    for dtype, info in cache_probe.items():
+        print(f"cache probe {dtype}: {info['bytes_per_token']:.0f} bytes/token over {info['tokens']} tokens "
+              f"(DeepSpec layout: {info['deepspec_bytes_per_token']}); build {info['build_s']:.1f} s")
+    return report
+
+
+def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
+    """Bytes per token of real target caches (bf16 and fp8) built from a few held-out rows."""
+    from hf_dspark.models.target import TargetSpec, default_target_layer_ids
+
+    layers = default_target_layer_ids(TargetSpec.from_model(target).num_hidden_layers)
+    rows = eval_rows.select(range(min(args.probe_cache_rows, len(eval_rows))))
+    probe = {}
+    for dtype in ("bf16", "fp8"):
+        start = time.perf_counter()
+        path = build_target_cache(
+            target, rows, Path(args.cache_dir) / f"probe-{dtype}", target_layer_ids=layers, tokenizer=tokenizer,
+            max_length=args.max_length, batch_size=16, dtype=dtype, process_index=0, num_processes=1,
+        )  # fmt: skip
+        manifest = load_target_cache(path).metadata
+        probe[dtype] = {
+            "bytes_per_token": manifest.get("bytes_per_token"),
+            "deepspec_bytes_per_token": manifest.get("deepspec_bytes_per_token"),
+            "tokens": manifest.get("total_tokens"),
+            "build_s": time.perf_counter() - start,
+            "target_layer_ids": layers,
+        }
+    return probe
+
+
+def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda) -> dict:
+    """Train one drafter (online or from a cache) and measure it."""
+    layers = None if algorithm == "eagle3" else args.num_hidden_layers
     training_args = DraftTrainingArguments(
-        output_dir=args.output_dir,
-        algorithm="dspark",
-        num_hidden_layers=args.num_hidden_layers,
+        output_dir=output_dir,
+        algorithm=algorithm,
+        num_hidden_layers=layers,
         block_size=args.block_size,
-        num_anchors=args.num_anchors,
+        num_anchors=None if algorithm == "eagle3" else args.num_anchors,
         max_length=args.max_length,
         pad_to_multiple_of=args.pad_to_multiple_of,
         compile_loss=args.compile_loss,
@@ -144,10 +212,11 @@ def main(argv=None):
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_ratio,  # a float < 1 is a ratio of the total steps
+        lr_scheduler_type=args.lr_scheduler_type,
+        warmup_steps=args.warmup_steps,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        max_steps=args.max_steps,
+        max_steps=max_steps,
         bf16=cuda,
         optim="adamw_torch_fused" if cuda else "adamw_torch",
         logging_steps=50 if not args.smoke else 1,
@@ -162,9 +231,12 @@ def main(argv=None):
     )
     torch.manual_seed(args.seed)
     draft = build_draft(target, training_args)
-    draft.block_mask_kind = args.attention
+    if hasattr(draft, "block_mask_kind"):
+        draft.block_mask_kind = args.attention
 
     cache_info = {}
+    online_target = target
+    train_data, eval_data = train_rows, eval_rows
     if args.mode == "cached":
         start = time.perf_counter()
         paths = {}
@@ -186,9 +258,6 @@ def main(argv=None):
             "deepspec_bytes_per_token": manifest.get("deepspec_bytes_per_token"),
         }
         online_target = None
-        del target
-    else:
-        train_data, eval_data, online_target = train_rows, eval_rows, target
 
     trainer_ref = []
     meter = Throughput(trainer_ref, args.warmup_steps_excluded, args.time_budget, cuda)
@@ -197,38 +266,35 @@ def main(argv=None):
         target_model=online_target, callbacks=[meter],
     )  # fmt: skip
     trainer_ref.append(trainer)
-    setup_s = time.perf_counter() - setup_start
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     trainer.train()
+    train_s = time.perf_counter() - start
     if cuda:
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    trainer.save_model(args.output_dir)
+    trainer.save_model(output_dir)
     metrics = trainer.evaluate()
 
     measured = meter.start_time is not None and meter.end_time > meter.start_time
     seconds = (meter.end_time - meter.start_time) if measured else float("nan")
     tokens = (meter.end_tokens - meter.start_tokens) if measured else float("nan")
     slots = [metrics.get(f"eval_accept@{k}") for k in range(1, args.block_size + 1)]
-    result = {
-        "benchmark": "train_throughput",
-        "smoke": args.smoke,
+    return {
+        "algorithm": algorithm,
         "mode": args.mode,
-        "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "target": target_path,
-        "draft": {"layers": args.num_hidden_layers, "block_size": args.block_size, "anchors": args.num_anchors,
+        "draft": {"layers": draft.config.num_hidden_layers, "block_size": args.block_size,
+                  "anchors": None if algorithm == "eagle3" else args.num_anchors,
                   "target_layer_ids": draft.config.target_layer_ids,
                   "trainable_params": sum(p.numel() for p in draft.parameters() if p.requires_grad)},  # fmt: skip
-        "train_rows": len(train_rows),
-        "eval_rows": len(eval_rows),
         "batch_size": args.batch_size,
         "max_length": args.max_length,
+        "learning_rate": args.learning_rate,
+        "lr_scheduler": f"{args.lr_scheduler_type}, {args.warmup_steps} warm-up steps",
         "steps": meter.steps,
-        "setup_s": setup_s,
+        "train_s": train_s,
         "measured_steps": meter.steps - args.warmup_steps_excluded,
         "measured_s": seconds,
         "supervised_block_tokens": tokens,
@@ -243,32 +309,24 @@ def main(argv=None):
         },
         "attention": args.attention,
         "compile_loss": args.compile_loss,
-        "draft_dir": args.output_dir,
+        "draft_dir": output_dir,
         **cache_info,
     }
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+
+
+def print_table(results: list[dict]) -> None:
     fmt = lambda x, spec: "n/a" if x is None or x != x else format(x, spec)  # noqa: E731
-    rows = [
-        ("device / mode", f"{result['device']} / {args.mode}"),
-        ("draft", f"DSpark {args.num_hidden_layers} layers, block {args.block_size}, {args.num_anchors} anchors"),
-        ("steps (measured)", f"{meter.steps} ({result['measured_steps']} in {fmt(seconds, '.1f')} s)"),
-        ("supervised block tokens/s", fmt(result["supervised_block_tokens_per_s"], ",.0f")),
-        ("peak memory", f"{peak:.2f} GiB ({result['peak_memory_kind']})"),
-        ("held-out tau_prob / tau_greedy", f"{fmt(metrics.get('eval_tau_prob'), '.3f')} / "
-                                           f"{fmt(metrics.get('eval_tau_greedy'), '.3f')}"),
-        ("held-out accept@1..K", " ".join(fmt(x, ".2f") for x in slots)),
-    ]  # fmt: skip
-    if cache_info:
-        rows.append(("cache bytes/token", f"{fmt(cache_info['cache_bytes_per_token'], '.0f')} "
-                                          f"(DeepSpec layout {cache_info['deepspec_bytes_per_token']})"))  # fmt: skip
-    rows.append(("draft saved to", args.output_dir))
-    width = max(len(k) for k, _ in rows)
-    print("\n| " + "metric".ljust(width) + " | value |\n|" + "-" * (width + 2) + "|-------|")
-    for key, value in rows:
-        print(f"| {key.ljust(width)} | {value} |")
-    return result
+    print("\n| drafter | steps | measured s | supervised tokens/s | peak GiB | held-out tau_prob / tau_greedy "
+          "| accept@1..K | cache B/token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        h = r["heldout"]
+        print(f"| {r['algorithm']} ({r['draft']['layers']} layers) | {r['steps']} | {fmt(r['measured_s'], '.1f')} "
+              f"| {fmt(r['supervised_block_tokens_per_s'], ',.0f')} | {r['peak_memory_gib']:.2f} "
+              f"| {fmt(h['tau_prob'], '.3f')} / {fmt(h['tau_greedy'], '.3f')} "
+              f"| {' '.join(fmt(x, '.2f') for x in h['accept_at_k'])} "
+              f"| {fmt(r.get('cache_bytes_per_token'), '.0f')} |")
+    print(f"drafts saved under: {', '.join(r['draft_dir'] for r in results)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,24 @@
-"""hf_dspark: speculative-decoding draft models (DSpark, DFlash, Eagle3) as first-class Hugging Face models."""
+"""hf_dspark: speculative-decoding draft models (DSpark, DFlash, Eagle3) as first-class Hugging Face models.
 
-from .generation.sampling import TokenSampler
+`import hf_dspark` registers the drafts with AutoConfig/AutoModel and routes
+`target.generate(..., assistant_model=draft)` to hf_dspark's lossless speculative loop. The data, training,
+evaluation and hub stages are imported on first use of one of their names.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .generation import (
+    CalibrationReport,
+    SpeculativeConfig,
+    SpeculativeStats,
+    SPSTable,
+    TokenSampler,
+    calibrate_confidence,
+    load_or_profile_sps,
+    profile_sps,
+)
 from .models import (
     DRAFTERS,
     BlockDraftOutput,
@@ -23,6 +41,42 @@ from .models import (
 
 __version__ = "0.1.0"
 
+# name -> stage module, imported lazily (keeps `import hf_dspark` light: no Trainer, datasets or matplotlib).
+_LAZY = {
+    **dict.fromkeys(
+        ["load_conversations", "tokenize_conversations", "regenerate_responses", "build_target_cache",
+         "load_target_cache", "TargetCacheDataset", "TargetCacheError"],
+        "hf_dspark.data",
+    ),
+    **dict.fromkeys(
+        ["DraftTrainer", "DraftTrainingArguments", "DraftDataCollator", "DraftScriptArguments", "train_draft",
+         "build_draft", "draft_loss"],
+        "hf_dspark.training",
+    ),
+    **dict.fromkeys(
+        ["evaluate_drafts", "EvaluationResults", "AcceptanceStats", "load_metric"], "hf_dspark.evaluation"
+    ),
+    **dict.fromkeys(
+        ["push_draft", "export_draft", "load_draft", "generate_model_card", "apply_lora", "merge_lora"],
+        "hf_dspark.hub",
+    ),
+    **dict.fromkeys(["load_default_target", "default_target_path"], "hf_dspark.resources"),
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_dspark' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
     "DRAFTERS",
     "drafter_classes",
@@ -39,7 +93,15 @@ __all__ = [
     "Eagle3Output",
     "TargetSpec",
     "TargetFeatureHooks",
-    "TokenSampler",
     "default_target_layer_ids",
     "target_features",
+    "TokenSampler",
+    "SpeculativeConfig",
+    "SpeculativeStats",
+    "SPSTable",
+    "profile_sps",
+    "load_or_profile_sps",
+    "calibrate_confidence",
+    "CalibrationReport",
+    *_LAZY,
 ]

@@ -34,7 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(subparsers)
+    for subparser in subparsers.choices.values():
+        accept_both_spellings(subparser)
     return parser
+
+
+def accept_both_spellings(parser: argparse.ArgumentParser) -> None:
+    """Let every `--foo_bar` option also be written `--foo-bar` and vice versa.
+
+    Stages use transformers' underscore style (HfArgumentParser) or the dash style of most CLIs; users should not
+    have to remember which. The extra spelling is hidden from --help.
+    """
+    for action in list(parser._actions):
+        for option in list(action.option_strings):
+            if not option.startswith("--"):
+                continue
+            name = option[2:]
+            other = "--" + (name.replace("_", "-") if "_" in name else name.replace("-", "_"))
+            if other != option and other not in parser._option_string_actions:
+                parser._option_string_actions[other] = action
 
 
 def main(argv: list[str] | None = None) -> int:

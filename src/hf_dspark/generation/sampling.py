@@ -8,8 +8,30 @@ same warpers from temperature/top-k/top-p.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_extra_arguments(processor_type: type) -> bool:
+    return len(inspect.signature(processor_type.__call__).parameters) > 3  # self, input_ids, scores
+
+
+def apply_logits_processors(processors, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`LogitsProcessorList.__call__` without re-reading every processor's signature on every call.
+
+    transformers inspects each processor's signature per call, which costs more than the processing itself in a
+    speculative round (a call per draft slot and per verified position); the check is cached per type here.
+    """
+    for processor in processors:
+        if _takes_extra_arguments(type(processor)):
+            scores = LogitsProcessorList([processor])(input_ids, scores, **kwargs)
+        else:
+            scores = processor(input_ids, scores)
+    return scores
 
 
 class TokenSampler:
@@ -44,7 +66,7 @@ class TokenSampler:
             return logits
         if input_ids is None:
             input_ids = torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)
-        return self.logits_processor(input_ids, logits)
+        return apply_logits_processors(self.logits_processor, input_ids, logits)
 
     def distribution(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         return torch.softmax(self.process(logits, input_ids), dim=-1)
@@ -65,4 +87,4 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-__all__ = ["TokenSampler", "sample_from"]
+__all__ = ["TokenSampler", "sample_from", "apply_logits_processors"]

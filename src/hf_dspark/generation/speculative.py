@@ -70,7 +70,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..models.target import TargetFeatureHooks
 from .rejection import verify_block
-from .sampling import TokenSampler
+from .sampling import TokenSampler, apply_logits_processors
 from .scheduler import (
     SCHEDULES,
     SPSTable,
@@ -354,12 +354,12 @@ class _FullBatchProcessors(logits_process.LogitsProcessorList):
 
     def __call__(self, input_ids, scores, **kwargs):
         if self.position_free or self.rows is None:
-            return super().__call__(input_ids, scores, **kwargs)
+            return apply_logits_processors(self, input_ids, scores, **kwargs)
         full_ids = input_ids.new_zeros(self.batch_size, input_ids.shape[1])
         full_ids[self.rows] = input_ids
         full_scores = scores.new_zeros(self.batch_size, scores.shape[-1])
         full_scores[self.rows] = scores
-        return super().__call__(full_ids, full_scores, **kwargs)[self.rows]
+        return apply_logits_processors(self, full_ids, full_scores, **kwargs)[self.rows]
 
 
 class _Decoder:
@@ -431,7 +431,7 @@ class _Decoder:
         if self.position_free:
             flat = logits.reshape(rows_n * width, vocab)
             dummy = torch.zeros(flat.shape[0], 0, dtype=torch.long, device=flat.device)
-            return self.logits_processor(dummy, flat.clone()).view(rows_n, width, vocab)
+            return apply_logits_processors(self.logits_processor, dummy, flat.clone()).view(rows_n, width, vocab)
         # Processors may keep per-row state (e.g. the repetition penalty's prompt padding per row): call them on
         # the whole original batch, in its order; only the rows of the current length group are read back.
         out = torch.empty_like(logits)
@@ -446,7 +446,7 @@ class _Decoder:
                 ids = self.buffer[:, : self.prompt_length + length + k]
                 scores = full.clone()
                 scores[original] = logits[local, k]
-                out[local, k] = self.logits_processor(ids, scores)[original]
+                out[local, k] = apply_logits_processors(self.logits_processor, ids, scores)[original]
         return out
 
     def _draft_input_ids(self, rows: torch.Tensor, lengths: list[int]) -> torch.Tensor | None:

@@ -198,10 +198,16 @@ class DraftPreTrainedModel(PreTrainedModel):
     ) -> torch.Tensor:
         """Logits of the draft for (a slice of) the vocabulary: lm_head(h) + W2 z, soft-capped like the target."""
         vocab_slice = vocab_slice or slice(None)
-        logits = F.linear(hidden, self.lm_head.weight[vocab_slice])
+        return self.finish_logits(F.linear(hidden, self.lm_head.weight[vocab_slice]), markov_features, vocab_slice)
+
+    def finish_logits(
+        self, base_logits: torch.Tensor, markov_features: torch.Tensor | None = None, vocab_slice: slice | None = None
+    ) -> torch.Tensor:
+        """Base logits lm_head(h) -> draft logits: + W2 z (Markov bias), then the target's soft-capping."""
         if markov_features is not None:
-            logits = logits + F.linear(markov_features.to(hidden.dtype), self.markov_head.markov_w2.weight[vocab_slice])
-        return softcap(logits, self.config.final_logit_softcapping)
+            weight = self.markov_head.markov_w2.weight[vocab_slice or slice(None)]
+            base_logits = base_logits + F.linear(markov_features.to(weight.dtype), weight)
+        return softcap(base_logits, self.config.final_logit_softcapping)
 
     def target_logits(self, target_hidden: torch.Tensor, vocab_slice: slice | None = None) -> torch.Tensor:
         """The target's own logits from its final (post-norm) hidden state, through the frozen lm_head copy."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
@@ -225,21 +226,27 @@ class DSparkModel(DraftPreTrainedModel):
         return self._sample_block(hidden, anchor_ids, sampler, input_ids, draft_tokens)
 
     def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens) -> DraftProposal:
-        """Left-to-right sampling through the Markov head (a no-op loop for DFlash)."""
+        """Left-to-right sampling through the Markov head; without one (DFlash) and with processors that do not
+        read the sequence (`input_ids` is None), every slot is drawn in one batched call."""
         cfg = self.config
-        base_logits = self.draft_logits(hidden) if not cfg.has_markov_head else None
+        rows, n, _ = hidden.shape
+        base_logits = F.linear(hidden, self.lm_head.weight)  # [R, n, V], once for the whole block
+        if not cfg.has_markov_head and input_ids is None:
+            logits = self.finish_logits(base_logits)
+            probs = sampler.distribution(logits.reshape(rows * n, -1)).view(rows, n, -1)
+            tokens = draft_tokens if draft_tokens is not None else sampler.select(probs.view(rows * n, -1)).view(rows, n)
+            confidence_logits = self.confidence_head(hidden).float() if cfg.enable_confidence_head else None
+            return self._proposal(tokens, probs, logits.float(), confidence_logits)
         prev = anchor_ids
         state = self.markov_head.init_state(hidden[:, 0]) if cfg.has_markov_head else None
         tokens, probs, logits, conf_logits = [], [], [], []
-        for k in range(hidden.shape[1]):
+        for k in range(n):
             h_k = hidden[:, k]
-            prev_embed = None
+            prev_embed = z = None
             if cfg.has_markov_head:
                 prev_embed = self.markov_head.embed(prev).to(h_k.dtype)
                 z, state = self.markov_head.step(h_k, prev_embed, state)
-                step_logits = self.draft_logits(h_k, z)
-            else:
-                step_logits = base_logits[:, k]
+            step_logits = self.finish_logits(base_logits[:, k], z)
             if cfg.enable_confidence_head:
                 conf_logits.append(
                     self.confidence_head(h_k, prev_embed if cfg.confidence_head_with_markov else None).float()
@@ -249,16 +256,17 @@ class DSparkModel(DraftPreTrainedModel):
             probs.append(p_k)
             logits.append(step_logits.float())
             prev = x_k
-        confidences = confidence_logits = None
-        if conf_logits:
-            confidence_logits = torch.stack(conf_logits, dim=1)
-            confidences = calibrated_confidence(confidence_logits, cfg.confidence_temperatures)
+        confidence_logits = torch.stack(conf_logits, dim=1) if conf_logits else None
+        return self._proposal(
+            torch.stack(tokens, dim=1), torch.stack(probs, dim=1), torch.stack(logits, dim=1), confidence_logits
+        )
+
+    def _proposal(self, tokens, probs, logits, confidence_logits) -> DraftProposal:
+        confidences = None
+        if confidence_logits is not None:
+            confidences = calibrated_confidence(confidence_logits, self.config.confidence_temperatures)
         return DraftProposal(
-            tokens=torch.stack(tokens, dim=1),
-            probs=torch.stack(probs, dim=1),
-            logits=torch.stack(logits, dim=1),
-            confidences=confidences,
-            confidence_logits=confidence_logits,
+            tokens=tokens, probs=probs, logits=logits, confidences=confidences, confidence_logits=confidence_logits
         )
 
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU session B: the real SmolLM2-135M-Instruct target. Stages, each one device command, issued back to back so the
+# machine stays warm (drafts and the converted target live outside the repo, in /root):
+#   copy1  carry [.whl, .device/data, .device/gguf1]: first half of the GGUF (the tool carries <= 64 MiB a call)
+#   train  carry [.device/gguf2]: assemble + convert the target, train DSpark, DFlash, Eagle3 (same steps)
+#   eval   acceptance/calibration/speed of the three drafts (hf-dspark eval) and generation_speed.py
+#   extra  production-shape training step with a profile
+set -u
+stage=$1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source benchmarks/gpu/setup_device.sh
+export HF_DSPARK_DEFAULT_GGUF=/root/gguf/smollm2.gguf
+DATA=/root/data
+case "$stage" in
+copy1)
+  mkdir -p /root/gguf "$DATA" && cp .device/gguf1/gguf.part00 /root/gguf/ && cp -r .device/data/. "$DATA"/
+  ls -la /root/gguf "$DATA" | head -20
+  ;;
+train)
+  cat /root/gguf/gguf.part00 .device/gguf2/gguf.part01 > "$HF_DSPARK_DEFAULT_GGUF"
+  want=$(cut -d' ' -f1 .device/gguf2/gguf.sha256); got=$(sha256sum "$HF_DSPARK_DEFAULT_GGUF" | cut -d' ' -f1)
+  [ "$want" = "$got" ] || { echo "GGUF checksum mismatch"; exit 1; }
+  python3 -c "from hf_dspark.resources import default_target_path as p; print('target at', p())" 2>&1 | tail -1
+  timeout 500 python3 benchmarks/train_throughput.py --data "$DATA/smollm2-135m-instruct.jsonl.gz" \
+    --algorithms dspark dflash eagle3 --num_hidden_layers 2 --block_size 7 --time_budget 75 --eval_rows 256 \
+    --probe_cache_rows 64 --output_dir /root/drafts --output "$OUT/train_smollm2.json" > "$OUT/train.log" 2>&1
+  echo "train rc=$?"; grep -v "it/s\]\|examples/s\]" "$OUT/train.log" | tail -12
+  ;;
+eval)
+  T=$(python3 -c "from hf_dspark.resources import default_target_path as p; print(p())")
+  timeout 330 python3 -m hf_dspark.cli eval --target "$T" \
+    --draft dspark=/root/drafts/dspark --draft dflash=/root/drafts/dflash --draft eagle3=/root/drafts/eagle3 \
+    --data gsm8k=$DATA/gsm8k.jsonl --data humaneval=$DATA/humaneval.jsonl --data mt-bench=$DATA/mt-bench.jsonl \
+    --num_prompts 40 --max_new_tokens 256 --temperature 0 1 --batch_size 8 --dtype bfloat16 \
+    --output_dir "$OUT/eval" --no_progress > "$OUT/eval.log" 2>&1
+  echo "eval rc=$?"; tail -5 "$OUT/eval.log"; head -30 "$OUT/eval/results.md" 2>/dev/null
+  timeout 230 python3 benchmarks/generation_speed.py --target "$T" --draft dspark=/root/drafts/dspark \
+    --draft dflash=/root/drafts/dflash --draft eagle3=/root/drafts/eagle3 --prompts $DATA/mt-bench.jsonl \
+    --num-prompts 16 --max-new-tokens 128 --batch-sizes 1 16 --temperatures 0 1 --dtype bfloat16 \
+    --json "$OUT/generation_speed.json" > "$OUT/speed.log" 2>&1
+  echo "speed rc=$?"; tail -32 "$OUT/speed.log"
+  ;;
+extra)
+  timeout 250 python3 benchmarks/train_production_shapes.py --output "$OUT/train_production_shapes.json" \
+    --profile "$OUT/production_profile.txt" > "$OUT/prod.log" 2>&1
+  echo "prod rc=$?"; grep -A12 "^| metric" "$OUT/prod.log"; head -30 "$OUT/production_profile.txt"
+  ;;
+esac
