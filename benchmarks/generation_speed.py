@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_dspark.data.prompts import count_new_tokens, eos_token_ids
+
 
 @dataclass
 class Row:
@@ -84,7 +86,7 @@ def load_setup(args):
     from transformers import AutoModel
 
     import hf_dspark  # noqa: F401  (routes generate(assistant_model=draft))
-    from hf_dspark.generation.calibration import encode_prompts
+    from hf_dspark.data.prompts import encode_chat_prompts
     from hf_dspark.generation.cli import load_target, read_prompts
 
     device = torch.device(args.device)
@@ -100,7 +102,7 @@ def load_setup(args):
         drafts[name] = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
     if args.prompts is None:
         raise SystemExit("--prompts is required (a {'turns': [...]} JSONL), or use --smoke")
-    prompts = encode_prompts(tokenizer, read_prompts(args.prompts, args.num_prompts))
+    prompts = encode_chat_prompts(tokenizer, read_prompts(args.prompts, args.num_prompts))
     return target, tokenizer, drafts, prompts
 
 
@@ -136,28 +138,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _eos_ids(target, tokenizer) -> list[int]:
-    ids = []
-    for value in (target.generation_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if v is not None and int(v) not in ids:
-                ids.append(int(v))
-    return ids
-
-
-def _count(sequences, prompt_length: int, eos_ids) -> int:
-    new = sequences[:, prompt_length:]
-    if not eos_ids or new.shape[1] == 0:
-        return int(new.numel())
-    is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
-    full = torch.full_like(is_eos[:, 0], new.shape[1], dtype=torch.long)
-    ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, full)
-    return int(ends.sum())
-
-
 def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, draft=None, extra=None):
     """Generate every prompt batch once (after one warm-up batch): (tokens, seconds, outputs, merged stats)."""
-    from hf_dspark.generation.calibration import left_pad
+    from hf_dspark.data.prompts import left_pad
 
     device = next(target.parameters()).device
     kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
@@ -182,7 +165,7 @@ def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, 
         out = target.generate(ids, attention_mask=mask, **kwargs)
         _sync(device)
         seconds += time.perf_counter() - start
-        tokens += _count(out, ids.shape[1], eos_ids)
+        tokens += count_new_tokens(out, ids.shape[1], eos_ids)
         outputs.append(out[:, ids.shape[1] :].cpu())
         if draft is not None and hasattr(draft, "last_generation_stats"):
             call = draft.last_generation_stats
@@ -196,7 +179,7 @@ def benchmark(args) -> tuple[list[Row], dict]:
     pad_id = target.generation_config.pad_token_id
     if pad_id is None:
         pad_id = getattr(tokenizer, "pad_token_id", None)
-    eos_ids = _eos_ids(target, tokenizer)
+    eos_ids = eos_token_ids(target, tokenizer)
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
     hf_dflash, hf_dflash_note = load_hf_dflash(args, device, target)

@@ -7,6 +7,7 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
+from hf_dspark.data.prompts import left_pad
 from hf_dspark.models.modeling_draft import DraftProposal
 
 DRAFTERS = {"dspark": DSparkModel, "dflash": DFlashModel, "eagle3": Eagle3Model}
@@ -20,13 +21,7 @@ def make_draft(name: str, target, block_size: int = 4, seed: int = 1, **override
 
 
 def left_padded(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r) :] = torch.tensor(r)
-        mask[i, width - len(r) :] = 1
-    return ids, mask
+    return left_pad(rows, pad)
 
 
 class OracleProposer:

@@ -23,9 +23,14 @@ from .chat import (
     tokenize_conversations,
     tokenizer_fingerprint,
 )
+from .prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, left_pad
 from .regenerate import read_prompts, regenerate_responses
 
 __all__ = [
+    "encode_chat_prompts",
+    "left_pad",
+    "eos_token_ids",
+    "count_new_tokens",
     "load_conversations",
     "tokenize_conversations",
     "encode_conversation",

@@ -18,6 +18,8 @@ from typing import Any, Iterable
 import torch
 from transformers import GenerationConfig
 
+from .prompts import eos_token_ids
+
 logger = logging.getLogger(__name__)
 
 
@@ -106,18 +108,6 @@ def finished_ids(output_file: str | Path) -> set[str]:
     return done
 
 
-def _eos_ids(target, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for value in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if v is not None and int(v) not in ids:
-                ids.append(int(v))
-    if not ids:
-        raise ValueError("neither the target's generation_config nor the tokenizer defines an eos token id")
-    return ids
-
-
-@torch.no_grad()
 def regenerate_responses(
     target,
     tokenizer,
@@ -158,7 +148,7 @@ def regenerate_responses(
     if len(done) and not todo:
         logger.info("%s already answers all %d prompts", output_file, len(all_prompts))
 
-    eos_ids = _eos_ids(target, tokenizer)
+    eos_ids = eos_token_ids(target, tokenizer)
     do_sample = temperature is not None and temperature > 0
     gen_config = GenerationConfig(
         max_new_tokens=max_new_tokens,

@@ -29,6 +29,7 @@ from torch import nn
 from .calibration import calibration_summary, uncalibrate_records
 from .metrics import AcceptanceStats
 from .report import save_results
+from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, left_pad
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +51,7 @@ def load_eval_prompts(path: str | Path, num_prompts: int | None = None) -> list[
 
 def render_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     """Token ids of each prompt as a one-turn chat with the generation prompt appended."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "the tokenizer has no chat template: evaluation prompts are chats; set `tokenizer.chat_template` to the "
-            "target's template (or save the target folder with its tokenizer)"
-        )
-    rendered = []
-    for text in prompts:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
-            ids = ids["input_ids"]
-        rendered.append([int(i) for i in ids])
-    return rendered
+    return encode_chat_prompts(tokenizer, prompts)
 
 
 def dataset_name(path: str | Path) -> str:
@@ -195,27 +183,6 @@ def _synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def eos_token_ids(target: nn.Module, tokenizer) -> list[int]:
-    ids: list[int] = []
-    for value in (getattr(target.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if v is not None and int(v) not in ids:
-                ids.append(int(v))
-    if not ids:
-        raise ValueError("neither the target's generation_config nor the tokenizer defines an eos token id")
-    return ids
-
-
-def count_new_tokens(sequences: torch.Tensor, prompt_length: int, eos_ids: Sequence[int]) -> int:
-    """Generated tokens per row up to and including the first EOS (padding after EOS is not counted)."""
-    new = sequences[:, prompt_length:]  # [B, n]
-    if new.shape[1] == 0:
-        return 0
-    is_eos = torch.isin(new, torch.tensor(list(eos_ids), device=new.device))
-    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new.shape[1])  # [B]
-    return int(length.sum())
-
-
 @dataclass
 class _CallResult:
     new_tokens: int
@@ -224,13 +191,8 @@ class _CallResult:
 
 
 def _left_pad(batch: Sequence[Sequence[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
-    width = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+    input_ids, attention_mask = left_pad(batch, pad_id, device)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..evaluation.metrics import calibration_report, fit_sts_temperatures, slot_calibration_data
+from ..data.prompts import encode_chat_prompts, left_pad
 
 
 @dataclass
@@ -115,37 +116,6 @@ def calibrate_from_records(
     )
 
 
-def encode_prompts(tokenizer, prompts, use_chat_template: bool = True) -> list[list[int]]:
-    """Token ids per prompt: strings go through the chat template when the tokenizer has one."""
-    encoded = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            if use_chat_template and getattr(tokenizer, "chat_template", None):
-                ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-                )
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-            else:
-                ids = tokenizer(prompt)["input_ids"]
-            encoded.append([int(i) for i in ids])
-        else:
-            encoded.append([int(i) for i in prompt])
-    return encoded
-
-
-def left_pad(sequences: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded input_ids and attention_mask for a batch of token-id lists."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        if seq:
-            ids[i, width - len(seq) :] = torch.tensor(seq)
-            mask[i, width - len(seq) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 @torch.no_grad()
 def collect_rollouts(
     draft,
@@ -163,7 +133,7 @@ def collect_rollouts(
     """
     from .stats import SpeculativeStats
 
-    encoded = encode_prompts(tokenizer, prompts, use_chat_template)
+    encoded = encode_chat_prompts(tokenizer, prompts, use_chat_template)
     if not encoded:
         raise ValueError("calibration needs at least one prompt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -223,6 +193,4 @@ __all__ = [
     "calibrate_confidence",
     "calibrate_from_records",
     "collect_rollouts",
-    "encode_prompts",
-    "left_pad",
 ]

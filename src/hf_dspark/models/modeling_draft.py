@@ -275,6 +275,13 @@ class DraftPreTrainedModel(PreTrainedModel):
         input_ids [R, L]: each request's sequence so far ending with the anchor, for logits processors that read
         it; draft_tokens [R, n]: score these tokens instead of sampling (teacher forcing, for evaluation/tests).
         """
+        n = self.num_draft_tokens if num_tokens is None else num_tokens
+        if n < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {n}")
+        with torch.no_grad():
+            return self._propose(cache, anchor_ids, sampler or TokenSampler(), n, input_ids, draft_tokens)
+
+    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
         raise NotImplementedError
 
     def _draw(self, sampler, logits, input_ids, step_tokens, draft_tokens, k):

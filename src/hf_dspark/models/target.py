@@ -161,40 +161,33 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     return sorted(set(ids))
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The list of decoder layers of a causal LM (works for Llama, Qwen2/3, Gemma3 text, ...)."""
+def _decoder_stack(model: nn.Module) -> nn.Module:
+    """The module holding `layers` (and `norm`) of a causal LM: model, model.model, model.language_model, ..."""
     base = model
     for _ in range(4):
-        layers = getattr(base, "layers", None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-        nxt = None
-        for name in ("model", "language_model", "decoder", "transformer"):
-            if isinstance(getattr(base, name, None), nn.Module):
-                nxt = getattr(base, name)
-                break
-        if nxt is None:
+        if isinstance(getattr(base, "layers", None), nn.ModuleList):
+            return base
+        base = next(
+            (getattr(base, n) for n in ("model", "language_model", "decoder", "transformer")
+             if isinstance(getattr(base, n, None), nn.Module)),
+            None,
+        )  # fmt: skip
+        if base is None:
             break
-        base = nxt
     raise ValueError(f"cannot find the decoder layers of {type(model).__name__}: expected a `.model.layers` list")
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of decoder layers of a causal LM (works for Llama, Qwen2/3, Gemma3 text, ...)."""
+    return _decoder_stack(model).layers
 
 
 def final_norm(model: nn.Module) -> nn.Module:
     """The final norm module of a causal LM; its output is the last hidden state fed to the lm_head."""
-    base = model
-    for _ in range(4):
-        norm = getattr(base, "norm", None)
-        if isinstance(norm, nn.Module) and isinstance(getattr(base, "layers", None), nn.ModuleList):
-            return norm
-        nxt = None
-        for name in ("model", "language_model", "decoder", "transformer"):
-            if isinstance(getattr(base, name, None), nn.Module):
-                nxt = getattr(base, name)
-                break
-        if nxt is None:
-            break
-        base = nxt
-    raise ValueError(f"cannot find the final norm of {type(model).__name__}: expected `.model.norm`")
+    norm = getattr(_decoder_stack(model), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(f"cannot find the final norm of {type(model).__name__}: expected `.model.norm`")
+    return norm
 
 
 class TargetFeatureHooks:

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ...generation.sampling import TokenSampler
 from ..anchors import block_positions, dense_block_mask, flex_block_mask, sample_anchors
 from ..backbone import DraftDecoderLayer
 from ..context_cache import DraftContextCache
@@ -191,23 +190,11 @@ class DSparkModel(DraftPreTrainedModel):
             cache.write(i, key, value, counts)
         cache.advance(counts)
 
-    @torch.no_grad()
-    def propose(
-        self,
-        cache: DraftContextCache,
-        anchor_ids: torch.Tensor,
-        *,
-        sampler: TokenSampler | None = None,
-        num_tokens: int | None = None,
-        input_ids: torch.Tensor | None = None,
-        draft_tokens: torch.Tensor | None = None,
-    ) -> DraftProposal:
+    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
         cfg = self.config
         K = cfg.block_size
-        n = K if num_tokens is None else num_tokens
-        if not 1 <= n <= K:
-            raise ValueError(f"num_tokens must be between 1 and block_size={K}, got {n}")
-        sampler = sampler or TokenSampler()
+        if num_tokens > K:
+            raise ValueError(f"num_tokens must be between 1 and block_size={K}, got {num_tokens}")
         rows = anchor_ids.shape[0]
         device = anchor_ids.device
         block_ids = torch.full((rows, K), cfg.mask_token_id, dtype=torch.long, device=device)
@@ -222,7 +209,7 @@ class DSparkModel(DraftPreTrainedModel):
             dim=-1,
         ).unsqueeze(1)
         context_kvs = [cache.layer_kv(i, length) for i in range(len(self.layers))]
-        hidden = self._run_layers(hidden, cos, sin, context_kvs, mask)[:, :n]
+        hidden = self._run_layers(hidden, cos, sin, context_kvs, mask)[:, :num_tokens]
         return self._sample_block(hidden, anchor_ids, sampler, input_ids, draft_tokens)
 
     def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens) -> DraftProposal:

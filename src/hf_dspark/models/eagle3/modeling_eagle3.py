@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ...generation.sampling import TokenSampler
 from ..backbone import DraftAttention, DraftMLP, DraftRMSNorm, attend
 from ..context_cache import DraftContextCache
 from ..modeling_draft import DraftPreTrainedModel, DraftProposal
@@ -167,23 +166,9 @@ class Eagle3Model(DraftPreTrainedModel):
         cache.write(0, key, value, counts)
         cache.advance(counts)
 
-    @torch.no_grad()
-    def propose(
-        self,
-        cache: DraftContextCache,
-        anchor_ids: torch.Tensor,
-        *,
-        sampler: TokenSampler | None = None,
-        num_tokens: int | None = None,
-        input_ids: torch.Tensor | None = None,
-        draft_tokens: torch.Tensor | None = None,
-    ) -> DraftProposal:
+    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
         if "last_hidden" not in cache.state:
             raise RuntimeError("extend_context must run (with the prompt's features) before propose")
-        n = self.config.ttt_length if num_tokens is None else num_tokens
-        if n < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {n}")
-        sampler = sampler or TokenSampler()
         attn = self.layer.self_attn
         hidden = cache.state["last_hidden"]  # o^0 at the last committed position
         rows = hidden.shape[0]
@@ -194,7 +179,7 @@ class Eagle3Model(DraftPreTrainedModel):
         base = cache.lengths - 1
         draft_k, draft_v = [], []
         tokens, probs, logits = [], [], []
-        for j in range(n):
+        for j in range(num_tokens):
             if j > 0:
                 x, residual = self.layer.inputs(self.embed(tokens[-1]).to(dtype)[:, None], hidden[:, None])
                 cos, sin = self.rotary_emb((base + j)[:, None], dtype)

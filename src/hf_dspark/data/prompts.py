@@ -1,0 +1,74 @@
+"""Prompts for generation: chat rendering, left-padded batches, EOS ids, counting generated tokens.
+
+Shared by everything that generates with the target (regeneration, STS calibration, evaluation, benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def encode_chat_prompts(tokenizer, prompts, use_chat_template: bool = True) -> list[list[int]]:
+    """Token ids per prompt. Strings become a one-turn user chat with the generation prompt appended (or plain
+    text with `use_chat_template=False`); lists of ids are passed through."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None) is None and any(
+        isinstance(p, str) for p in prompts
+    ):
+        raise ValueError(
+            "the tokenizer has no chat template: set `tokenizer.chat_template` to the target's template (or save "
+            "the target folder with its tokenizer), or pass use_chat_template=False for plain-text prompts"
+        )
+    encoded = []
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            encoded.append([int(i) for i in prompt])
+            continue
+        if use_chat_template:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizer versions return a BatchEncoding
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        encoded.append([int(i) for i in ids])
+    return encoded
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (input_ids, attention_mask) [B, max_len] for a batch of token-id lists."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if len(seq):
+            ids[i, width - len(seq) :] = torch.tensor(list(seq))
+            mask[i, width - len(seq) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def eos_token_ids(target, tokenizer) -> list[int]:
+    """The ids that end an answer: the target's generation_config EOS ids plus the tokenizer's."""
+    ids: list[int] = []
+    for value in (getattr(target.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    if not ids:
+        raise ValueError("neither the target's generation_config nor the tokenizer defines an eos token id")
+    return ids
+
+
+def count_new_tokens(sequences: torch.Tensor, prompt_length: int, eos_ids: Sequence[int]) -> int:
+    """Generated tokens per row up to and including the first EOS (padding after EOS is not counted), summed."""
+    new = sequences[:, prompt_length:]  # [B, n]
+    if new.shape[1] == 0:
+        return 0
+    is_eos = torch.isin(new, torch.tensor(list(eos_ids), device=new.device))
+    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new.shape[1])  # [B]
+    return int(length.sum())
+
+
+__all__ = ["encode_chat_prompts", "left_pad", "eos_token_ids", "count_new_tokens"]
