@@ -195,3 +195,19 @@ def test_flex_block_mask_matches_dense_mask(qwen3):
         flex = draft(ids, feats, lm, anchor_positions=anchors)
     torch.testing.assert_close(flex.hidden_states, dense.hidden_states, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(flex.confidence_logits, dense.confidence_logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_flex_path_serves_several_sequence_lengths(qwen3):
+    """Training batches change length; the compiled flex kernel must keep working (and agree with dense)."""
+    draft = block_draft(DSparkModel, qwen3)
+    with torch.no_grad():
+        for seq in (24, 40, 56):
+            ids, feats, _ = inputs(qwen3, draft.config.target_layer_ids, seq=seq, seed=seq)
+            anchors = torch.tensor([[2, seq // 2, seq - 3]])
+            lm = torch.ones_like(ids)
+            draft.block_mask_kind = "dense"
+            dense = draft(ids, feats, lm, anchor_positions=anchors).hidden_states
+            draft.block_mask_kind = "flex"
+            flex = draft(ids, feats, lm, anchor_positions=anchors).hidden_states
+            torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)

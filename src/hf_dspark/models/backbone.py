@@ -126,6 +126,14 @@ _FLEX = None
 def _compiled_flex_attention():
     global _FLEX
     if _FLEX is None:
+        # Static shapes (the path validated on CPU and CUDA; CPU inductor cannot compile flex with symbolic
+        # lengths). Variable-length training compiles once per padded length, so allow more recompiles than
+        # dynamo's default of 8 (past the limit it would silently fall back to an unfused, memory-hungry path);
+        # `pad_to_multiple_of` in the training arguments keeps the number of lengths small.
+        config = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(config, name):
+                setattr(config, name, max(getattr(config, name), 64))
         _FLEX = torch.compile(flex_attention, dynamic=False)
     return _FLEX
 

@@ -35,7 +35,7 @@ class DraftTrainingArguments(TrainingArguments):
         default=14, metadata={"help": "Drop conversations with fewer supervised (assistant) tokens than this."}
     )
     pad_to_multiple_of: int = field(
-        default=8, metadata={"help": "Pad batch lengths to a multiple of this (fewer shapes for compiled kernels)."}
+        default=64, metadata={"help": "Pad batch lengths to a multiple of this (fewer shapes for compiled kernels)."}
     )
     loss_chunk_elements: int | None = field(
         default=None,
