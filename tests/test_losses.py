@@ -322,3 +322,36 @@ def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path):
     result = bench.main(["--device", "cpu", "--smoke", "--steps", "2", "--warmup", "1", "--output", str(out)])
     assert json.loads(out.read_text())["step_ms_median"] == result["step_ms_median"] > 0
     assert result["supervised_block_tokens_per_step"] > 0 and math.isfinite(result["final_loss"])
+
+
+@pytest.mark.slow
+def test_compiled_loss_math_equals_eager_on_every_chunk_length():
+    """The compiled path pads the last, shorter chunk with zero-weight rows (one compilation for every batch):
+    losses, statistics and gradients equal the eager path for slot counts that are and are not multiples of it."""
+    torch.manual_seed(0)
+    vocab, d, r = 64, 8, 4
+    lm_weight = torch.randn(vocab, d)
+    markov_weight = torch.randn(vocab, r, requires_grad=True)
+    for slots in (16, 23, 5):  # chunk_elements=8*64 -> 8 rows per chunk
+        hidden = torch.randn(slots, d, requires_grad=True)
+        markov = torch.randn(slots, r, requires_grad=True)
+        target_hidden = torch.randn(slots, d)
+        labels = torch.randint(0, vocab, (slots,))
+        weights = torch.rand(slots)
+        results = []
+        for compile_ in (False, True):
+            markov_weight.grad = None
+            hidden.grad = markov.grad = None
+            loss, stats = fused_head_loss(
+                hidden, lm_weight, labels, weights, target_hidden=target_hidden, markov_features=markov,
+                markov_weight=markov_weight, l1_weight=weights * 0.5, softcap=20.0, chunk_elements=8 * vocab,
+                compile=compile_,
+            )  # fmt: skip
+            loss.backward()
+            results.append((loss.detach(), stats.ce, stats.l1, hidden.grad.clone(), markov.grad.clone(),
+                            markov_weight.grad.clone()))  # fmt: skip
+        for eager, compiled in zip(*results):
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+    from hf_dspark.training import losses
+
+    assert losses._COMPILED_CHUNK_MATH is not losses._chunk_math, "compilation failed: the eager fallback ran"

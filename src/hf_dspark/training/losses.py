@@ -125,6 +125,11 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.T
     return (a @ b).to(acc_dtype)
 
 
+def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """t [n, ...] -> [n + pad, ...] with zero rows appended."""
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft, opts):
@@ -143,25 +148,36 @@ class _FusedHeadLoss(torch.autograd.Function):
         math_fn = _get_chunk_math(opts["compile"])
         for start in range(0, hidden.shape[0], rows):
             sl = slice(start, start + rows)
-            h = hidden[sl].to(dtype)  # [n, d]
-            z = markov[sl].to(dtype) if markov is not None else None  # [n, r]
-            a, b, c = w_ce[sl], None if w_l1 is None else w_l1[sl], None if w_soft is None else w_soft[sl]
+            n = min(rows, hidden.shape[0] - start)
+            # The compiled math sees one shape only: the last, shorter chunk is padded with zero-weight rows
+            # (one compilation instead of one per distinct chunk length; the padding is < one chunk per step).
+            pad = rows - n if math_fn is not _chunk_math else 0
+            h = _pad_rows(hidden[sl].to(dtype), pad)  # [n + pad, d]
+            z = _pad_rows(markov[sl].to(dtype), pad) if markov is not None else None  # [n + pad, r]
+            a, b, c = (None if w is None else _pad_rows(w[sl], pad) for w in (w_ce, w_l1, w_soft))
+            chunk_labels = _pad_rows(labels[sl], pad)
+            th = _pad_rows(target_hidden[sl].to(dtype), pad) if target_hidden is not None else None
 
             def logits():  # draft and target logits, [n, V] each, before soft-capping
                 u = _mm_acc(h, W.T, acc)
                 if z is not None:
                     u += _mm_acc(z, W2.T, acc)
-                ut = _mm_acc(target_hidden[sl].to(dtype), W.T, acc) if target_hidden is not None else None
+                ut = _mm_acc(th, W.T, acc) if th is not None else None
                 return u, ut
 
             try:
-                ce, l1, soft_ce, match, g = math_fn(*logits(), labels[sl], a, b, c, cap, want_grad)
+                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, want_grad)
             except Exception as err:  # noqa: BLE001 - whatever the compiler raises, eager is correct
                 if math_fn is _chunk_math:
                     raise
                 logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
                 _COMPILED_CHUNK_MATH = math_fn = _chunk_math
-                ce, l1, soft_ce, match, g = math_fn(*logits(), labels[sl], a, b, c, cap, want_grad)
+                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, want_grad)
+            if pad:
+                ce, l1, soft_ce, match = (None if t is None else t[:n] for t in (ce, l1, soft_ce, match))
+                a, b, c = (None if w is None else w[:n] for w in (a, b, c))
+                g = None if g is None else g[:n]
+                h, z = h[:n], None if z is None else z[:n]
             loss += (a * ce).sum()
             if b is not None:
                 loss += (b * l1).sum()
