@@ -75,25 +75,19 @@ def parse_args(argv=None):
 # -- setup ------------------------------------------------------------------------------------------------------
 
 
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
 def load_setup(args):
     """(target, tokenizer or None, {name: draft}, prompts as token-id lists)."""
     from transformers import AutoModel
 
     import hf_dspark  # noqa: F401  (routes generate(assistant_model=draft))
-    from hf_dspark.data.prompts import encode_chat_prompts
-    from hf_dspark.generation.cli import load_target, read_prompts
+    from hf_dspark.data.prompts import encode_chat_prompts, first_turns
+    from hf_dspark.resources import load_target, resolve_dtype
 
     device = torch.device(args.device)
-    dtype = _dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device)
     if args.smoke:
         return smoke_setup(args, device, dtype)
-    target, tokenizer = load_target(args.target, str(device), str(dtype).replace("torch.", ""))
+    target, tokenizer = load_target(args.target, device, dtype)
     drafts = {}
     for spec in args.draft:
         name, _, path = spec.partition("=")
@@ -102,7 +96,7 @@ def load_setup(args):
         drafts[name] = AutoModel.from_pretrained(path, dtype=dtype).to(device).eval()
     if args.prompts is None:
         raise SystemExit("--prompts is required (a {'turns': [...]} JSONL), or use --smoke")
-    prompts = encode_chat_prompts(tokenizer, read_prompts(args.prompts, args.num_prompts))
+    prompts = encode_chat_prompts(tokenizer, first_turns(args.prompts, args.num_prompts))
     return target, tokenizer, drafts, prompts
 
 

@@ -64,14 +64,61 @@ def default_target_path() -> Path:
     return out
 
 
-def load_default_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """(model, tokenizer) of SmolLM2-135M-Instruct."""
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+def resolve_dtype(dtype, device=None) -> torch.dtype | None:
+    """A torch dtype from a dtype or a name ("bf16", "bfloat16", "torch.float16", ...).
+
+    "auto" means bfloat16 on CUDA and float32 elsewhere when `device` is given, and "keep the stored dtype"
+    (None) when it is not; None stays None.
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).lower().removeprefix("torch.")
+    if name == "auto":
+        if device is None:
+            return None
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use auto, bfloat16 (bf16), float16 (fp16) or float32 (fp32)") from None
+
+
+def load_target(path=None, device=None, dtype="auto", with_tokenizer: bool = True):
+    """(target, tokenizer) ready for batched generation: eval mode, a pad token, left padding.
+
+    path defaults to the embedded SmolLM2-135M-Instruct; device None leaves the model where it loads (CPU);
+    with_tokenizer=False returns (target, None) for folders that hold only a model.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_target_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    path = Path(path) if path is not None else default_target_path()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"target {path} does not exist: pass a local model folder (hf_dspark.resources.default_target_path() "
+            "gives the embedded SmolLM2-135M-Instruct)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device or "cpu")).eval()
+    if device is not None:
+        model = model.to(device)
+    if not with_tokenizer:
+        return model, None
     tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
 
 
-__all__ = ["default_target_path", "load_default_target", "cache_root", "DEFAULT_TARGET_NAME"]
+def load_default_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model, tokenizer) of SmolLM2-135M-Instruct."""
+    return load_target(None, device=device, dtype=dtype)
+
+
+__all__ = ["default_target_path", "load_default_target", "load_target", "resolve_dtype", "cache_root", "DEFAULT_TARGET_NAME"]

@@ -23,10 +23,11 @@ from .chat import (
     tokenize_conversations,
     tokenizer_fingerprint,
 )
-from .prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, left_pad
+from .prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad
 from .regenerate import read_prompts, regenerate_responses
 
 __all__ = [
+    "first_turns",
     "encode_chat_prompts",
     "left_pad",
     "eos_token_ids",

@@ -66,22 +66,10 @@ def _target_args(parser) -> None:
 
 
 def _load_target(args):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from ..resources import load_target
     from .cache import distributed_state
 
-    path = args.target
-    if path is None:
-        from ..resources import default_target_path
-
-        path = default_target_path()
-    device = args.device or distributed_state().device
-    dtype = "auto" if args.torch_dtype == "auto" else getattr(torch, args.torch_dtype)
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return target, tokenizer
-
+    return load_target(args.target, device=args.device or distributed_state().device, dtype=args.torch_dtype)
 
 def run_regenerate(args) -> int:
     from .regenerate import regenerate_responses

@@ -5,9 +5,24 @@ Shared by everything that generates with the target (regeneration, STS calibrati
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+
+def first_turns(path, limit: int | None = None) -> list[str]:
+    """The first turn of the first `limit` rows (all when None) of a `{"turns": [...]}` JSONL(.gz) prompt file."""
+    from .regenerate import read_prompts
+
+    if limit is not None and limit < 1:
+        raise ValueError(f"num_prompts must be >= 1 (or None for every prompt), got {limit}")
+    prompts = read_prompts(path)
+    if limit is not None and len(prompts) < limit:
+        logger.warning("%s has only %d prompts (asked for %d): using all of them", path, len(prompts), limit)
+    return [p.turns[0] for p in prompts[:limit]]
 
 
 def encode_chat_prompts(tokenizer, prompts, use_chat_template: bool = True) -> list[list[int]]:
@@ -71,4 +86,4 @@ def count_new_tokens(sequences: torch.Tensor, prompt_length: int, eos_ids: Seque
     return int(length.sum())
 
 
-__all__ = ["encode_chat_prompts", "left_pad", "eos_token_ids", "count_new_tokens"]
+__all__ = ["first_turns", "encode_chat_prompts", "left_pad", "eos_token_ids", "count_new_tokens"]

@@ -29,7 +29,8 @@ from torch import nn
 from .calibration import calibration_summary, uncalibrate_records
 from .metrics import AcceptanceStats
 from .report import save_results
-from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, left_pad
+from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad
+from ..resources import load_target, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +40,7 @@ logger = logging.getLogger(__name__)
 
 def load_eval_prompts(path: str | Path, num_prompts: int | None = None) -> list[str]:
     """First turns of the first `num_prompts` rows of a `{"turns": [...]}` JSONL file (all rows when None)."""
-    from ..data.regenerate import read_prompts
-
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1 (or None for every prompt), got {num_prompts}")
-    prompts = read_prompts(path)
-    if num_prompts is not None and len(prompts) < num_prompts:
-        logger.warning("%s has only %d prompts (asked for %d): using all of them", path, len(prompts), num_prompts)
-    return [p.turns[0] for p in prompts[:num_prompts]]
+    return first_turns(path, num_prompts)
 
 
 def render_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
@@ -63,36 +57,6 @@ def dataset_name(path: str | Path) -> str:
 
 
 # -- loading models (used by the CLI; the Python API takes model objects) --------------------------------------
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-                "float16": torch.float16, "fp16": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}") from None
-
-
-def load_target(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto"):
-    """(target, tokenizer) from a local folder; left padding and a pad token for batched generation."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    device = torch.device(device)
-    if not Path(path).exists():
-        raise FileNotFoundError(
-            f"target {path} does not exist: pass a local model folder (hf_dspark.resources.default_target_path() "
-            "gives the embedded SmolLM2-135M-Instruct)"
-        )
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, device)).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return target, tokenizer
 
 
 def load_drafts(specs: Sequence[str], target: nn.Module) -> dict[str, nn.Module]:

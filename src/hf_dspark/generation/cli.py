@@ -4,11 +4,13 @@ hardware-aware prefix scheduler)."""
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 
 import torch
+
+from ..data.prompts import first_turns
+from ..resources import load_target
 
 
 def register(subparsers) -> None:
@@ -20,7 +22,7 @@ def register(subparsers) -> None:
     )
     cal.add_argument("--draft", required=True, help="draft folder (save_pretrained output)")
     cal.add_argument("--target", default=None, help="target folder (default: the embedded SmolLM2-135M-Instruct)")
-    cal.add_argument("--prompts", required=True, help='JSONL(.gz) rows with "turns", "messages" or "prompt"')
+    cal.add_argument("--prompts", required=True, help='JSONL(.gz) prompts, {"turns": [...]} rows (first turn)')
     cal.add_argument("--num-prompts", type=int, default=64)
     cal.add_argument("--max-new-tokens", type=int, default=128)
     cal.add_argument("--batch-size", type=int, default=8)
@@ -55,49 +57,8 @@ def _device_args(parser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
 
 
-def _dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
-def load_target(path, device: str, dtype: str, with_tokenizer: bool = True):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..resources import default_target_path
-
-    path = Path(path) if path else default_target_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype, device)).to(device).eval()
-    if not with_tokenizer:
-        return model, None
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
-
-
-def read_prompts(path, limit: int | None = None) -> list[str]:
-    """First user turn of each JSONL row: {"turns": [...]}, {"messages": [...]} or {"prompt": "..."}."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    prompts = []
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if row.get("turns"):
-                prompts.append(row["turns"][0])
-            elif row.get("messages"):
-                prompts.append(next(m["content"] for m in row["messages"] if m.get("role") == "user"))
-            elif "prompt" in row:
-                prompts.append(row["prompt"])
-            else:
-                raise ValueError(f"{path}:{line_no}: expected a 'turns', 'messages' or 'prompt' field")
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ValueError(f"no prompts in {path}")
-    return prompts
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -107,7 +68,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     target, tokenizer = load_target(args.target, args.device, args.dtype)
     draft = AutoModel.from_pretrained(args.draft).to(args.device).eval()
-    prompts = read_prompts(args.prompts, args.num_prompts)
+    prompts = first_turns(args.prompts, args.num_prompts)
     torch.manual_seed(args.seed)
     sample = args.temperature > 0
     report = calibrate_confidence(
@@ -157,4 +118,4 @@ def run_profile_sps(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "read_prompts", "load_target"]
+__all__ = ["register"]

@@ -23,32 +23,11 @@ from safetensors.torch import load_file
 from ..models import DRAFTERS, DraftPreTrainedModel
 from .formats import ExportResult, ForeignCheckpointError, detect_format, get_format
 from .peft_utils import refuse_attached_lora
+from ..resources import resolve_dtype
 
 _HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "subfolder", "proxies")
 # from_pretrained arguments that have no meaning for a converted checkpoint (always safetensors, no remote code).
 _IGNORED_LOAD_KWARGS = ("trust_remote_code", "low_cpu_mem_usage", "use_safetensors")
-_DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-}
-
-
-def resolve_dtype(dtype) -> torch.dtype | None:
-    """torch dtype from a dtype, a name ("bf16", "bfloat16", ...), or None/"auto" (keep the stored dtype)."""
-    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
-        return None if dtype == "auto" else dtype
-    try:
-        return _DTYPES[str(dtype).lower().removeprefix("torch.")]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}: use one of bf16, fp16, fp32 (or auto)") from None
-
-
 # -- export -------------------------------------------------------------------------------------------------
 
 

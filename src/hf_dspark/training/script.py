@@ -18,9 +18,6 @@ from .trainer import DraftTrainer, build_draft
 
 logger = logging.getLogger(__name__)
 
-TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass
 class DraftScriptArguments:
     """Where the data and the target come from (the draft and training fields are in DraftTrainingArguments)."""
@@ -44,21 +41,11 @@ class DraftScriptArguments:
 
 
 def load_target(script_args: DraftScriptArguments, training_args: DraftTrainingArguments):
-    """(target, tokenizer) as the arguments describe them."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(target, tokenizer) as the arguments describe them (placed on the device later, by the trainer)."""
+    from ..resources import load_target as load
 
-    path = script_args.target_model
-    if path is None:
-        from ..resources import default_target_path
-
-        path = str(default_target_path())
-    name = script_args.target_dtype or ("bfloat16" if training_args.bf16 else "float32")
-    if name not in TARGET_DTYPES:
-        raise ValueError(f"target_dtype={name!r} is not one of {', '.join(TARGET_DTYPES)}")
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=TARGET_DTYPES[name]).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return target, tokenizer
-
+    dtype = script_args.target_dtype or ("bfloat16" if training_args.bf16 else "float32")
+    return load(script_args.target_model, dtype=dtype)
 
 def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingArguments) -> DraftTrainer:
     """Train a draft for the target on the conversations and save it to `training_args.output_dir`."""
