@@ -5,19 +5,13 @@ from __future__ import annotations
 import sys
 
 
-def _add(parser, *names, **kwargs):
-    """Flags in the brief's underscore style, with the dashed spelling as an alias (--output_dir / --output-dir)."""
-    aliases = [n.replace("_", "-") for n in names if "_" in n]
-    parser.add_argument(*names, *aliases, **kwargs)
-
-
 def _card_inputs(parser) -> None:
-    _add(parser, "--eval_results", default=None, help="evaluation JSON (`hf-dspark eval` results.json)")
-    _add(parser, "--training_args", default=None, help="training arguments as JSON, or Trainer's training_args.bin")
-    _add(parser, "--base_model", default=None, help="Hub id of the target (default: from the draft config)")
-    _add(parser, "--license", default=None, help="licence id for the card metadata (default: the target's, if known)")
-    _add(parser, "--datasets", nargs="*", default=None, help="Hub ids of the training datasets")
-    _add(parser, "--tags", nargs="*", default=None, help="extra tags")
+    parser.add_argument("--eval_results", default=None, help="evaluation JSON (`hf-dspark eval` results.json)")
+    parser.add_argument("--training_args", default=None, help="training arguments as JSON, or Trainer's training_args.bin")
+    parser.add_argument("--base_model", default=None, help="Hub id of the target (default: from the draft config)")
+    parser.add_argument("--license", default=None, help="licence id for the card metadata (default: the target's, if known)")
+    parser.add_argument("--datasets", nargs="*", default=None, help="Hub ids of the training datasets")
+    parser.add_argument("--tags", nargs="*", default=None, help="extra tags")
 
 
 def _card_kwargs(args) -> dict:
@@ -38,8 +32,8 @@ def register(subparsers) -> None:
         description="Fill model_cards/draft_card.md.jinja from the draft config, training arguments and evaluation "
         "JSON; writes DIR/README.md (and assets/acceptance_by_position.png when per-position rates are given).",
     )
-    _add(card, "--draft", required=True, help="saved draft folder")
-    _add(card, "--repo_id", default=None, help="name shown in the usage snippet (default: the folder)")
+    card.add_argument("--draft", required=True, help="saved draft folder")
+    card.add_argument("--repo_id", default=None, help="name shown in the usage snippet (default: the folder)")
     _card_inputs(card)
     card.set_defaults(func=run_card)
 
@@ -50,13 +44,13 @@ def register(subparsers) -> None:
         "format cannot represent is refused with the reason. The output folder's README.md states the "
         "target-layer index convention and the serve command.",
     )
-    _add(export, "--draft", required=True, help="draft folder or Hub id (hf_dspark or an importable layout)")
-    _add(export, "--format", required=True, choices=("vllm", "sglang", "speculators", "deepspec", "dflash"))
-    _add(export, "--output_dir", required=True)
-    _add(export, "--dtype", default=None, help="cast weights (bf16, fp16, fp32); default keeps them")
-    _add(export, "--overwrite", action="store_true", help="replace a non-empty output_dir")
-    _add(export, "--num_speculative_tokens", type=int, default=None, help="default: the draft's block / TTT length")
-    _add(export, "--verifier", default=None, help="speculators: Hub id of the target model")
+    export.add_argument("--draft", required=True, help="draft folder or Hub id (hf_dspark or an importable layout)")
+    export.add_argument("--format", required=True, choices=("vllm", "sglang", "speculators", "deepspec", "dflash"))
+    export.add_argument("--output_dir", required=True)
+    export.add_argument("--dtype", default=None, help="cast weights (bf16, fp16, fp32); default keeps them")
+    export.add_argument("--overwrite", action="store_true", help="replace a non-empty output_dir")
+    export.add_argument("--num_speculative_tokens", type=int, default=None, help="default: the draft's block / TTT length")
+    export.add_argument("--verifier", default=None, help="speculators: Hub id of the target model")
     export.set_defaults(func=run_export)
 
     imp = subparsers.add_parser(
@@ -65,10 +59,10 @@ def register(subparsers) -> None:
         description="Load a draft checkpoint written by another tool (local folder or Hub id) and save it with "
         "save_pretrained.",
     )
-    _add(imp, "--checkpoint", required=True, help="folder or Hub id")
-    _add(imp, "--output_dir", required=True)
-    _add(imp, "--target", default=None, help="target model folder/Hub id, when the checkpoint omits embeddings/lm_head")
-    _add(imp, "--dtype", default=None, help="cast weights (bf16, fp16, fp32)")
+    imp.add_argument("--checkpoint", required=True, help="folder or Hub id")
+    imp.add_argument("--output_dir", required=True)
+    imp.add_argument("--target", default=None, help="target model folder/Hub id, when the checkpoint omits embeddings/lm_head")
+    imp.add_argument("--dtype", default=None, help="cast weights (bf16, fp16, fp32)")
     imp.set_defaults(func=run_import)
 
     push = subparsers.add_parser(
@@ -78,15 +72,15 @@ def register(subparsers) -> None:
         "the remote-code shim. Target caches (--cache): a datasets dataset plus the cache manifest.",
     )
     source = push.add_mutually_exclusive_group(required=True)
-    _add(source, "--draft", default=None, help="saved draft folder")
-    _add(source, "--cache", default=None, help="target cache folder (hf-dspark build-cache output)")
-    _add(push, "--repo_id", required=True)
-    _add(push, "--private", action="store_true")
-    _add(push, "--token", default=None, help="default: HF_TOKEN or the stored login")
-    _add(push, "--revision", default=None, help="branch to push to")
-    _add(push, "--commit_message", default=None)
-    _add(push, "--no_card", action="store_true", help="keep the folder's own README.md instead of generating one")
-    _add(push, "--no_remote_code", action="store_true", help="do not add the auto_map remote-code shim")
+    source.add_argument("--draft", default=None, help="saved draft folder")
+    source.add_argument("--cache", default=None, help="target cache folder (hf-dspark build-cache output)")
+    push.add_argument("--repo_id", required=True)
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--token", default=None, help="default: HF_TOKEN or the stored login")
+    push.add_argument("--revision", default=None, help="branch to push to")
+    push.add_argument("--commit_message", default=None)
+    push.add_argument("--no_card", action="store_true", help="keep the folder's own README.md instead of generating one")
+    push.add_argument("--no_remote_code", action="store_true", help="do not add the auto_map remote-code shim")
     _card_inputs(push)
     push.set_defaults(func=run_push)
 
