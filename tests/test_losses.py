@@ -25,15 +25,6 @@ from hf_dspark.training.losses import (
 SEQ = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight parallel test workers for cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- naive references: full [.., V] tensors, plain autograd -----------------------------------------------------
 
 

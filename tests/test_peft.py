@@ -26,14 +26,6 @@ from hf_dspark.models.target import target_features
 from hf_dspark.training import DraftTrainer, DraftTrainingArguments
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def qwen3():
     return make_tiny_target("qwen3")

@@ -16,15 +16,6 @@ from hf_dspark.training import DraftDataCollator, DraftTrainer, DraftTrainingArg
 from hf_dspark.models.anchors import sample_anchors
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight parallel test workers for cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tokenized_rows(n: int = 8, seed: int = 0, vocab: int = 96) -> datasets.Dataset:
     """Tokenized conversations: a short unsupervised prompt, then an answer; lengths differ (padding matters)."""
     gen = torch.Generator().manual_seed(seed)

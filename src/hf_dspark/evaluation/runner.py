@@ -30,7 +30,7 @@ from .calibration import calibration_summary, uncalibrate_records
 from .metrics import AcceptanceStats
 from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad
-from ..resources import load_target, resolve_dtype
+from ..resources import load_target
 
 logger = logging.getLogger(__name__)
 
