@@ -132,3 +132,18 @@ def test_accelerate_configs_load_and_point_to_the_deepspeed_json():
     assert ds_json["zero_optimization"]["stage"] == 3
     assert ds_json["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]  # checkpoints stay drafts
     assert zero3.deepspeed_config["zero3_init_flag"] is False  # the frozen target must load whole
+
+
+def test_resume_true_means_the_newest_checkpoint_and_fails_clearly_without_one(tmp_path):
+    from hf_dspark.training import DraftTrainingArguments
+    from hf_dspark.training.script import _resume_point
+
+    args = DraftTrainingArguments(output_dir=str(tmp_path), resume_from_checkpoint="true", use_cpu=True)
+    with pytest.raises(ValueError, match="no checkpoint-\\* folder"):
+        _resume_point(args)
+    for step in (5, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
+    assert _resume_point(args).endswith("checkpoint-10")
+    args.resume_from_checkpoint = str(tmp_path / "checkpoint-5")
+    assert _resume_point(args) == str(tmp_path / "checkpoint-5")

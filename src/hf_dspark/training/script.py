@@ -108,11 +108,27 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
         eval_dataset=eval_dataset,
         target_model=online_target,
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=_resume_point(training_args))
     trainer.save_model(training_args.output_dir)
     if eval_dataset is not None:
         trainer.log_metrics("eval", trainer.evaluate())
     return trainer
+
+
+def _resume_point(training_args: DraftTrainingArguments):
+    """`--resume_from_checkpoint true` (or "latest") means the newest checkpoint in output_dir, as Trainer's
+    `resume_from_checkpoint=True` does; a command line can only pass strings."""
+    resume = training_args.resume_from_checkpoint
+    if isinstance(resume, str) and resume.lower() in ("true", "latest"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        resume = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
+        if resume is None:
+            raise ValueError(
+                f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: there is no checkpoint-* folder "
+                f"in {training_args.output_dir} to resume from (drop the flag to start a new run)"
+            )
+    return resume
 
 
 __all__ = ["DraftScriptArguments", "train_draft", "load_target"]
