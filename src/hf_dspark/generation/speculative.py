@@ -58,7 +58,6 @@ features are cast to the draft's dtype.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -82,7 +81,6 @@ from .scheduler import (
 )
 from .stats import SpeculativeStats
 
-logger = logging.getLogger(__name__)
 
 # Processors that ignore input_ids: applied once to every [row, position] at the same time.
 _POSITION_FREE = tuple(
@@ -178,40 +176,9 @@ class SpeculativeConfig:
 def check_draft_for_target(target, draft) -> None:
     """Raise a ValueError naming the fix when `draft` cannot serve `target` (vocabulary, target identity and
     layers, device). Dtypes may differ: target features are cast to the draft's dtype."""
-    from ..models.target import TargetSpec, validate_layer_ids
-
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError("hf_dspark drafts accelerate decoder-only targets; this target is an encoder-decoder model")
-    spec = TargetSpec.from_model(target)
-    cfg = draft.config
-    if cfg.vocab_size != spec.vocab_size:
-        raise ValueError(
-            f"draft vocab {cfg.vocab_size} != target vocab {spec.vocab_size}: the draft was trained for another "
-            "target (load the draft that matches this target, or build one with DraftModel.from_target(target))"
-        )
-    facts = [
-        ("target_model_type", cfg.target_model_type, spec.model_type),
-        ("target_hidden_size", cfg.target_hidden_size, spec.hidden_size),
-        ("num_target_layers", cfg.num_target_layers, spec.num_hidden_layers),
-    ]
-    for name, recorded, actual in facts:
-        if recorded is not None and recorded != actual:
-            raise ValueError(
-                f"draft config {name}={recorded!r} but this target has {actual!r}: the draft was built for another "
-                "target model"
-            )
-    try:
-        validate_layer_ids(cfg.target_layer_ids or [], spec.num_hidden_layers)
-    except ValueError as err:
-        raise ValueError(f"the draft reads target layers this target cannot provide: {err}") from None
-    recorded_name = getattr(cfg, "target_name_or_path", None)
-    if recorded_name and spec.name_or_path and recorded_name != spec.name_or_path:
-        logger.warning(
-            "draft was built for target %r, generating with %r (same architecture and vocabulary; check that this "
-            "is the intended model)",
-            recorded_name,
-            spec.name_or_path,
-        )
+    draft.check_target(target)
     target_device = next(target.parameters()).device
     draft_device = next(draft.parameters()).device
     if target_device != draft_device:

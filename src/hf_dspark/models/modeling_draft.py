@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,15 @@ from ..generation.sampling import TokenSampler
 from .backbone import DraftRMSNorm, DraftRotary, check_feature_width, softcap
 from .configuration_draft import DraftConfig
 from .context_cache import DraftContextCache, pack_left
-from .target import TargetSpec, default_target_layer_ids, target_config_hash, target_weights_fingerprint
+from .target import (
+    TargetSpec,
+    default_target_layer_ids,
+    target_config_hash,
+    target_weights_fingerprint,
+    validate_layer_ids,
+)
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_TARGET_FEATURES = 5
 
@@ -175,6 +184,40 @@ class DraftPreTrainedModel(PreTrainedModel):
         # The Markov bias starts at zero: a fresh DSpark draft behaves like its parallel backbone.
         if hasattr(module, "markov_w2"):
             nn.init.zeros_(module.markov_w2.weight)
+
+    def check_target(self, target: nn.Module) -> None:
+        """Raise a ValueError naming the fix when this draft cannot read `target` (vocabulary, recorded target
+        facts, target layers); a different recorded name alone only warns (paths differ between machines)."""
+        spec = TargetSpec.from_model(target)
+        cfg = self.config
+        if cfg.vocab_size != spec.vocab_size:
+            raise ValueError(
+                f"draft vocab {cfg.vocab_size} != target vocab {spec.vocab_size}: the draft was trained for another "
+                "target (load the draft that matches this target, or build one with DraftModel.from_target(target))"
+            )
+        facts = [
+            ("target_model_type", cfg.target_model_type, spec.model_type),
+            ("target_hidden_size", cfg.target_hidden_size, spec.hidden_size),
+            ("num_target_layers", cfg.num_target_layers, spec.num_hidden_layers),
+        ]
+        for name, recorded, actual in facts:
+            if recorded is not None and recorded != actual:
+                raise ValueError(
+                    f"draft config {name}={recorded!r} but this target has {actual!r}: the draft was built for "
+                    "another target model"
+                )
+        try:
+            validate_layer_ids(cfg.target_layer_ids or [], spec.num_hidden_layers)
+        except ValueError as err:
+            raise ValueError(f"the draft reads target layers this target cannot provide: {err}") from None
+        recorded_name = getattr(cfg, "target_name_or_path", None)
+        if recorded_name and spec.name_or_path and recorded_name != spec.name_or_path:
+            logger.warning(
+                "draft was built for target %r, used with %r (same architecture and vocabulary; check that this "
+                "is the intended model)",
+                recorded_name,
+                spec.name_or_path,
+            )
 
     # -- shared computations ----------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from transformers import Trainer, set_seed
 
 from ..models import DraftPreTrainedModel, drafter_classes
 from ..models.anchors import sample_anchors
-from ..models.target import TargetSpec, target_features, validate_layer_ids
+from ..models.target import target_features
 from .arguments import DraftTrainingArguments
 from .collator import DraftDataCollator
 from .losses import draft_loss
@@ -109,7 +109,7 @@ class DraftTrainer(Trainer):
                 f"DraftTrainer trains draft models (DSparkModel, DFlashModel, Eagle3Model), got {type(model).__name__}"
             )
         if target_model is not None:
-            _check_target(model, target_model)
+            model.check_target(target_model)
         datasets_ = {"train_dataset": train_dataset}
         if isinstance(eval_dataset, dict):
             datasets_.update({f"eval_dataset[{k}]": v for k, v in eval_dataset.items()})
@@ -252,23 +252,6 @@ class DraftTrainer(Trainer):
             # In place: evaluate() returns this very dict.
             logs.update({prefix + k: v for k, v in self._summarize(mode).items()})
         super().log(logs, start_time)
-
-
-def _check_target(draft: DraftPreTrainedModel, target: nn.Module) -> None:
-    """Refuse a target the draft was not built for, naming the field."""
-    spec = TargetSpec.from_model(target)
-    cfg = draft.config
-    if spec.vocab_size != cfg.vocab_size:
-        raise ValueError(
-            f"draft vocab {cfg.vocab_size} != target vocab {spec.vocab_size}: the draft was built for another target; "
-            "build it from this one with `from_target(target)`"
-        )
-    if cfg.target_hidden_size is not None and spec.hidden_size != cfg.target_hidden_size:
-        raise ValueError(
-            f"draft target_hidden_size {cfg.target_hidden_size} != target hidden size {spec.hidden_size}: the draft "
-            "was built for another target"
-        )
-    validate_layer_ids(cfg.target_layer_ids, spec.num_hidden_layers)
 
 
 def _check_dataset(name: str, dataset, draft: DraftPreTrainedModel, target: nn.Module | None) -> None:
