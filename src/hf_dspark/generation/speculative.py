@@ -618,10 +618,10 @@ class _Decoder:
         t2 = time.perf_counter()
         self.stats.verify_time += t2 - t1
         confidences = None if proposal is None else proposal.confidences
-        self.stats.acceptance.add_round(verify_len, accepted, confidences, committed=torch.tensor(counts))
+        accepted_h = accepted.tolist()
+        self.stats.acceptance.add_round(verify_len.tolist(), accepted_h, confidences, committed=counts)
 
         # Roll the target cache back to the longest committed prefix among continuing rows; others keep holes.
-        accepted_h = accepted.tolist()
         continuing = [i for i, f in enumerate(finished) if not f]
         keep = max(accepted_h[i] + 1 for i in (continuing or range(n_rows)))
         cache = cache_kw[self.cache_kwarg]
