@@ -31,3 +31,13 @@ def test_options_accept_dash_and_underscore_spellings():
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "COMMAND" in capsys.readouterr().out
+
+
+def test_importing_the_package_does_not_load_the_heavy_stages():
+    """`import hf_dspark` (models + generate() routing) stays light: datasets/pyarrow load with the data stage."""
+    import subprocess
+    import sys
+
+    code = "import sys, hf_dspark; print(sorted(m for m in ('datasets', 'pyarrow', 'matplotlib') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

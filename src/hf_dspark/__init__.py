@@ -7,8 +7,7 @@ evaluation and hub stages are imported on first use of one of their names.
 
 from __future__ import annotations
 
-import importlib
-
+from ._lazy import lazy_attributes
 from .generation import (
     CalibrationReport,
     SpeculativeConfig,
@@ -64,17 +63,7 @@ _LAZY = {
 }  # fmt: skip
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hf_dspark' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __all__ = [

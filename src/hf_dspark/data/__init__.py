@@ -5,47 +5,19 @@
 - `build_target_cache` / `load_target_cache` (cache.py): the target's features as sharded, memory-mapped Arrow.
 """
 
-from .cache import (
-    TargetCacheDataset,
-    TargetCacheError,
-    build_target_cache,
-    cache_roundtrip,
-    finalize_target_cache,
-    load_target_cache,
-    read_manifest,
-    target_config_hash,
-    target_weights_fingerprint,
-    validate_target_cache,
-)
-from .chat import (
-    encode_conversation,
-    load_conversations,
-    tokenize_conversations,
-    tokenizer_fingerprint,
-)
-from .prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad
-from .regenerate import read_prompts, regenerate_responses
+from .._lazy import lazy_attributes
 
-__all__ = [
-    "first_turns",
-    "encode_chat_prompts",
-    "left_pad",
-    "eos_token_ids",
-    "count_new_tokens",
-    "load_conversations",
-    "tokenize_conversations",
-    "encode_conversation",
-    "tokenizer_fingerprint",
-    "regenerate_responses",
-    "read_prompts",
-    "build_target_cache",
-    "load_target_cache",
-    "finalize_target_cache",
-    "read_manifest",
-    "validate_target_cache",
-    "cache_roundtrip",
-    "target_config_hash",
-    "target_weights_fingerprint",
-    "TargetCacheDataset",
-    "TargetCacheError",
-]
+_EXPORTS = {
+    **dict.fromkeys(
+        ["TargetCacheDataset", "TargetCacheError", "build_target_cache", "cache_roundtrip", "finalize_target_cache",
+         "load_target_cache", "read_manifest", "target_config_hash", "target_weights_fingerprint",
+         "validate_target_cache"],
+        ".cache",
+    ),
+    **dict.fromkeys(["encode_conversation", "load_conversations", "tokenize_conversations", "tokenizer_fingerprint"],
+                    ".chat"),
+    **dict.fromkeys(["count_new_tokens", "encode_chat_prompts", "eos_token_ids", "first_turns", "left_pad"], ".prompts"),
+    **dict.fromkeys(["read_prompts", "regenerate_responses"], ".regenerate"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
+__all__ = list(_EXPORTS)

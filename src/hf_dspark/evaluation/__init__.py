@@ -2,20 +2,15 @@
 the decoding runs (`runner.evaluate_drafts`), reports and plots (`report`, `plots`), `evaluate` metric modules
 (`evaluate_metrics`) and the `hf-dspark eval` command (`cli`)."""
 
-from .calibration import calibration_summary
-from .evaluate_metrics import load_metric
-from .metrics import AcceptanceStats
-from .report import save_results
-from .runner import EvaluationResults, evaluate_drafts, generation_stats, load_drafts, load_target
+from .._lazy import lazy_attributes
 
-__all__ = [
-    "AcceptanceStats",
-    "EvaluationResults",
-    "calibration_summary",
-    "evaluate_drafts",
-    "generation_stats",
-    "load_drafts",
-    "load_metric",
-    "load_target",
-    "save_results",
-]
+_EXPORTS = {
+    "AcceptanceStats": ".metrics",
+    "calibration_summary": ".calibration",
+    "load_metric": ".evaluate_metrics",
+    "save_results": ".report",
+    **dict.fromkeys(["EvaluationResults", "evaluate_drafts", "generation_stats", "load_drafts", "load_target"],
+                    ".runner"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
+__all__ = list(_EXPORTS)
