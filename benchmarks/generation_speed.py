@@ -69,6 +69,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="after the timings, profile one call of the target alone and of the first draft at the "
+                        "largest batch size and temperature 0 (torch.profiler operator tables) into FILE")
     return parser.parse_args(argv)
 
 
@@ -248,6 +251,47 @@ def hf_dflash_row(target, prompts, batch_size, temperature, args, pad_id, eos_id
     return row
 
 
+def profile_calls(args) -> None:
+    """Operator tables (CPU and device time, call counts) of one generate() call of the target alone and one with
+    the first draft: where a round's time goes, and how many operators it launches per committed token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_dspark.data.prompts import left_pad
+
+    target, tokenizer, drafts, prompts = load_setup(args)
+    device = next(target.parameters()).device
+    pad_id = target.generation_config.pad_token_id
+    eos_ids = eos_token_ids(target, tokenizer)
+    pad_id = pad_id if pad_id is not None else (eos_ids or [0])[0]
+    batch = prompts[: max(args.batch_sizes)]
+    ids, mask = left_pad(batch, pad_id, device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    sections = []
+    for name, draft in [("target alone", None), *list(drafts.items())[:1]]:
+        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad_id)
+        if draft is not None:
+            kwargs["assistant_model"] = draft
+        target.generate(ids, attention_mask=mask, **kwargs)  # warm
+        _sync(device)
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            out = target.generate(ids, attention_mask=mask, **kwargs)
+            _sync(device)
+            seconds = time.perf_counter() - start
+        events = prof.key_averages()
+        ops = sum(e.count for e in events if e.key.startswith("aten::"))
+        tokens = count_new_tokens(out, ids.shape[1], eos_ids)
+        sections.append(
+            f"## {name}: batch {len(batch)}, {tokens} new tokens, {seconds:.3f} s profiled, "
+            f"{ops} aten operators ({ops / max(tokens, 1):.0f} per new token)\n"
+            + events.table(sort_by=sort, row_limit=30)
+        )
+    with open(args.profile, "w") as handle:
+        handle.write("\n\n".join(sections))
+    print(f"profile written to {args.profile}")
+
+
 # -- report -----------------------------------------------------------------------------------------------------
 
 
@@ -301,6 +345,8 @@ def main(argv=None) -> int:
     }
     with open(args.json, "w") as handle:
         json.dump(result, handle, indent=2)
+    if args.profile:
+        profile_calls(args)
     print(f"results written to {args.json}")
     print(table(rows))
     return 0
