@@ -1,0 +1,55 @@
+"""The generation benchmark runs end to end (tiny random target, CPU) and its greedy check holds in float32."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "generation_speed.py"
+
+
+@pytest.fixture(scope="module")
+def generation_speed():
+    spec = importlib.util.spec_from_file_location("generation_speed", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_path):
+    out = tmp_path / "speed.json"
+    profile = tmp_path / "profile.txt"
+    argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "4", "--num-prompts", "4",
+            "--json", str(out), "--profile", str(profile)]
+    assert generation_speed.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("generation_speed.py --smoke")
+    rows = result["rows"]
+    methods = {r["method"] for r in rows}
+    assert {"target", "prompt_lookup", "dspark", "dspark+threshold", "dspark+prefix", "dflash", "eagle3"} <= methods
+    for row in rows:
+        if row["note"].startswith("skipped"):
+            continue
+        assert row["new_tokens"] > 0 and row["tokens_per_second"] > 0, row
+        if row["temperature"] == 0 and row["method"] != "target":
+            # float32 on CPU: every greedy decoding path reproduces target.generate() exactly.
+            assert row["matches_target"] is True, row
+            assert row["greedy_first_divergence"] == []
+    assert "per new token" in profile.read_text()
+
+
+def test_greedy_agreement_reports_divergence(generation_speed):
+    import torch
+
+    row = generation_speed.Row("x", 2, 0.0)
+    reference = [torch.tensor([[5, 6, 2, 0], [7, 8, 9, 4]])]
+    outputs = [torch.tensor([[5, 6, 2, 2], [7, 3, 9, 4]])]  # row 0 equal up to EOS (2), row 1 differs at token 1
+    generation_speed.greedy_agreement(row, outputs, reference, eos_ids=[2])
+    assert row.matches_target is False
+    assert row.extra["greedy_identical_rows"] == "1/2"
+    assert row.extra["greedy_first_divergence"] == [1]
