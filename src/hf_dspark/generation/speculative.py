@@ -42,8 +42,8 @@ never correctness, since q is exactly what the draft sampled from.
 Greedy equality with `target.generate(do_sample=False)` is exact when the target's logits do not depend on how many
 tokens one forward processes (float32; tested on every path). In bf16/fp16 a verification forward over several
 tokens rounds differently from a one-token decode step, so a near-tied argmax can flip; transformers' prompt lookup
-decoding diverges at the same positions (README, "Use"). Sampling stays exact: p is whatever the verify forward
-computed, and both paths sample from the target's own rounding of it.
+decoding diverges at the same positions (README, "Use"). Sampling is exact with respect to the logits the
+verification forward computes, which differ from one-token decode logits only by that rounding.
 
 Output: what generate() returns. Sequences are padded with pad_token_id after a row's end (as `_sample` pads
 rows finished by EOS); with `output_scores` / `output_logits` the per-step tuples hold zeros for rows that had
