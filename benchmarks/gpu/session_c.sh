@@ -51,8 +51,9 @@ train)
   done
   sleep 5; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv
   start=$(cat /root/train_start)
-  while running && [ $(( $(date +%s) - start )) -lt ${POLL_S:-500} ]; do
-    sleep 60; echo "t=$(( $(date +%s) - start ))s"; progress
+  # Poll against this command's own clock ($SECONDS): the call is cut at 600 s, and a cut call returns no output.
+  while running && [ $SECONDS -lt ${POLL_S:-540} ]; do
+    sleep 30; echo "t=$(( $(date +%s) - start ))s"; progress
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
   done
   tail -3 "$LOGS"/*.log
