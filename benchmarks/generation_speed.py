@@ -71,7 +71,8 @@ def parse_args(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="after the timings, profile one call of the target alone and of the first draft at the "
-                        "largest batch size and temperature 0 (torch.profiler operator tables) into FILE")
+                        "largest batch size (torch.profiler operator tables) into FILE")
+    parser.add_argument("--profile-temperature", type=float, default=0.0, help="temperature of the profiled calls")
     return parser.parse_args(argv)
 
 
@@ -307,7 +308,11 @@ def profile_calls(args) -> None:
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     sections = []
     for name, draft in [("target alone", None), *list(drafts.items())[:1]]:
-        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad_id)
+        kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
+        if args.profile_temperature > 0:
+            kwargs.update(do_sample=True, temperature=args.profile_temperature, top_k=0, top_p=1.0)
+        else:
+            kwargs.update(do_sample=False)
         if draft is not None:
             kwargs["assistant_model"] = draft
         target.generate(ids, attention_mask=mask, **kwargs)  # warm
@@ -321,7 +326,8 @@ def profile_calls(args) -> None:
         ops = sum(e.count for e in events if e.key.startswith("aten::"))
         tokens = count_new_tokens(out, ids.shape[1], eos_ids)
         sections.append(
-            f"## {name}: batch {len(batch)}, {tokens} new tokens, {seconds:.3f} s profiled, "
+            f"## {name}: batch {len(batch)}, T={args.profile_temperature:g}, {tokens} new tokens, "
+            f"{seconds:.3f} s profiled, "
             f"{ops} aten operators ({ops / max(tokens, 1):.0f} per new token)\n"
             + events.table(sort_by=sort, row_limit=30)
         )

@@ -25,7 +25,7 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     out = tmp_path / "speed.json"
     profile = tmp_path / "profile.txt"
     argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "4", "--num-prompts", "4",
-            "--json", str(out), "--profile", str(profile)]
+            "--json", str(out), "--profile", str(profile), "--profile-temperature", "1"]
     assert generation_speed.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("generation_speed.py --smoke")

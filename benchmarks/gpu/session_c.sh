@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/gpu/setup_device.sh
 export HF_DSPARK_DEFAULT_GGUF=/root/gguf/smollm2.gguf
 DATA=/root/data RUNS=/root/drafts_long LOGS=/root/logs
-ALGOS="dspark dflash eagle3"
+ALGOS=${ALGOS:-"dspark dflash eagle3"}  # e.g. ALGOS=dspark STEPS=2500 TRAIN_S=1300: one drafter for a whole session
 STEPS=${STEPS:-600}  # one epoch of the 9,619 training conversations at batch 16
 target_path() { python3 -c "from hf_dspark.resources import default_target_path as p; print(p())" 2>/dev/null | tail -1; }
 running() { pgrep -f "examples/train_dspark.py" >/dev/null; }
@@ -96,7 +96,8 @@ speed)
     --json "$OUT/generation_speed_b1.json" > "$LOGS/speed_b1.log" 2>&1
   echo "batch 1 rc=$?"; tail -18 "$LOGS/speed_b1.log"
   timeout $(( 585 - SECONDS )) python3 benchmarks/generation_speed.py $common --num-prompts 16 --batch-sizes 16 \
-    --json "$OUT/generation_speed_b16.json" --profile "$LOGS/profile_b16.txt" > "$LOGS/speed_b16.log" 2>&1
+    --json "$OUT/generation_speed_b16.json" --profile "$LOGS/profile_b16.txt" --profile-temperature ${PROFILE_T:-0} \
+    > "$LOGS/speed_b16.log" 2>&1
   echo "batch 16 rc=$?"; tail -18 "$LOGS/speed_b16.log"
   tar czf "$OUT/logs_speed.tar.gz" -C /root logs 2>/dev/null
   ;;
