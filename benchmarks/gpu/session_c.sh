@@ -4,7 +4,9 @@
 #   copy1  carry [.whl, .device/data, .device/gguf1]: wheels, data, first half of the GGUF (<= 64 MiB per call)
 #   train  carry [.device/gguf2]: assemble + convert the target, start DSpark, DFlash and Eagle3 training through
 #          examples/train_dspark.py in their own process sessions (setsid: they outlive this command), all three
-#          at once on the one GPU (each alone leaves it mostly idle), then report progress until POLL_S
+#          at once on the one GPU (measured: they do contend; DSpark ran ~3x slower than alone), then report
+#          progress until POLL_S
+#   poll   report progress until POLL_S (a call of its own when the training window outlasts the train call)
 #   wait_eval  wait for the runs until TRAIN_S after their start; runs still going then are stopped and every
 #          drafter is taken at the newest checkpoint step all three reached, so the comparison keeps equal steps;
 #          then hf-dspark eval (acceptance, calibration, tokens/s) on the three eval sets at T=0 and T=1
@@ -58,6 +60,10 @@ train)
   done
   tail -3 "$LOGS"/*.log
   ;;
+poll)  # between train and wait_eval when training outlasts one call (TRAIN_S > ~1100 s)
+  start=$(cat /root/train_start)
+  while running && [ $SECONDS -lt ${POLL_S:-540} ]; do sleep 30; echo "t=$(( $(date +%s) - start ))s"; progress; done
+  ;;
 wait_eval)
   start=$(cat /root/train_start); deadline=$(( start + ${TRAIN_S:-720} ))
   while running && [ $(date +%s) -lt $deadline ]; do sleep 10; done
@@ -78,6 +84,7 @@ wait_eval)
   done
   drafts=$(sed 's/^/--draft /' /root/drafts_used.txt | tr '\n' ' ')
   remain=$(( 585 - SECONDS ))
+  [ $remain -gt 60 ] || { echo "only ${remain}s left in this call: run wait_eval again to evaluate"; exit 0; }
   timeout $remain python3 -m hf_dspark.cli eval --target "$(target_path)" $drafts \
     --data gsm8k=$DATA/gsm8k.jsonl --data humaneval=$DATA/humaneval.jsonl --data mt-bench=$DATA/mt-bench.jsonl \
     --num_prompts ${EVAL_PROMPTS:-16} --max_new_tokens 128 --temperature 0 1 --batch_size 16 --dtype bfloat16 \
