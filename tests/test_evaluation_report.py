@@ -234,3 +234,33 @@ def test_fast_sts_fit_equals_the_grid_search_definition():
             scores.append(expected_calibration_error(pred, out, 10) if pred.size else math.inf)
         expected.append(grid[int(np.argmin(scores))] if math.isfinite(min(scores)) else 1.0)
     assert fit_sts_temperatures(records, K + 1, grid=grid, n_bins=10) == expected
+
+
+def test_acceptance_plot_marks_intervals_and_thin_positions(tmp_path, monkeypatch):
+    """Rows with accept_count_by_position get Wilson error bars, and positions behind few rounds hollow markers."""
+    import matplotlib.pyplot as plt
+
+    from hf_dspark.evaluation import plots
+
+    drawn = {}
+    savefig = plt.Figure.savefig
+
+    def capture(fig, path, *args, **kwargs):
+        ax = fig.axes[0]
+        drawn["errorbars"] = len(ax.containers)
+        drawn["hollow"] = [line for line in ax.lines if line.get_markerfacecolor() == "white"]
+        drawn["title"] = fig._suptitle.get_text() if fig._suptitle else ""
+        return savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", capture)
+    row = {"drafter": "dspark", "dataset": "d", "temperature": 1.0, "tau": 1.5,
+           "accept_rate_by_position": [0.4, 0.5, 1.0], "accept_count_by_position": [200, 80, 1]}
+    path = plots.plot_acceptance_by_position([row], tmp_path / "a.png", title="t")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    assert drawn["errorbars"] == 1
+    assert [list(line.get_xdata()) for line in drawn["hollow"]] == [[3]]  # only the 1-round position
+    assert "Wilson" in drawn["title"]
+    # Rows without counts (older results files) still plot, without intervals.
+    legacy = {k: v for k, v in row.items() if k != "accept_count_by_position"}
+    plots.plot_acceptance_by_position([legacy], tmp_path / "b.png")
+    assert drawn["errorbars"] == 0 and drawn["hollow"] == []

@@ -12,6 +12,7 @@ from hf_dspark.evaluation.metrics import (
     fit_sts_temperatures,
     slot_calibration_data,
     training_acceptance_estimates,
+    wilson_interval,
 )
 
 
@@ -25,6 +26,8 @@ def test_tau_counts_the_bonus_token_and_acceptance_is_conditional():
     assert rates[1] == pytest.approx(2 / 3)
     assert rates[2] == pytest.approx(1 / 1)  # only the first round proposed slot 3 with slots 1-2 accepted
     assert stats.verify_efficiency == pytest.approx(11 / 18)
+    assert stats.accept_count_by_position == [4, 3, 1, 1]  # the denominators behind the rates
+    assert stats.to_dict()["accept_count_by_position"] == [4, 3, 1, 1]
     with pytest.raises(ValueError):
         stats.add_round(proposed=[1], accepted=[2])
 
@@ -73,3 +76,16 @@ def test_sts_recovers_the_temperature_of_overconfident_scores():
     before = expected_calibration_error(*slot_calibration_data(records, 0, kind="survival"))
     after = expected_calibration_error(*slot_calibration_data(records, 0, temps, kind="survival"))
     assert after < before / 3
+
+
+def test_wilson_interval():
+    # Reference values of the 95% Wilson score interval.
+    low, high = wilson_interval(1, 1)
+    assert low == pytest.approx(0.2065, abs=1e-4) and high == pytest.approx(1.0)
+    low, high = wilson_interval(8, 10)
+    assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
+    low, high = wilson_interval(0, 50)
+    assert low == 0.0 and high == pytest.approx(0.0714, abs=1e-4)
+    # Wider with fewer trials at the same rate; nan without trials.
+    assert np.diff(wilson_interval(5, 10)) > np.diff(wilson_interval(500, 1000))
+    assert all(np.isnan(wilson_interval(0, 0)))

@@ -11,6 +11,7 @@ Training logs, `generate()` statistics and the evaluation command all call these
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,6 +98,11 @@ class AcceptanceStats:
         return self.committed / self.fed if self.fed else float("nan")
 
     @property
+    def accept_count_by_position(self) -> list[int]:
+        """Rounds behind each accept_rate@k: slot k proposed with slots 1..k-1 accepted (its denominator)."""
+        return [int(n) for n in self.reached[: len(self.accept_rate_by_position)]]
+
+    @property
     def accept_rate_by_position(self) -> list[float]:
         used = int(np.max(np.nonzero(self.reached)[0]) + 1) if self.reached.any() else 0
         return [float(self.hit[k] / self.reached[k]) if self.reached[k] else float("nan") for k in range(used)]
@@ -110,6 +116,7 @@ class AcceptanceStats:
             "proposed_tokens": self.proposed_total,
             "verify_efficiency": self.verify_efficiency,
             "accept_rate_by_position": self.accept_rate_by_position,
+            "accept_count_by_position": self.accept_count_by_position,
         }
 
 
@@ -117,6 +124,18 @@ def _to_numpy(x) -> np.ndarray:
     if torch.is_tensor(x):
         return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial rate (95% for z = 1.96); (nan, nan) without trials. Unlike the normal
+    approximation it stays inside [0, 1] and stays wide for a handful of trials (1 hit of 1 is [0.21, 1])."""
+    if trials <= 0:
+        return float("nan"), float("nan")
+    rate = successes / trials
+    denominator = 1 + z * z / trials
+    center = (rate + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials)) / denominator
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 # -- training-time estimates ----------------------------------------------------------------------------------
@@ -294,6 +313,7 @@ def _survival_arrays(records, num_slots: int):
 
 
 __all__ = [
+    "wilson_interval",
     "AcceptanceStats",
     "training_acceptance_estimates",
     "expected_calibration_error",

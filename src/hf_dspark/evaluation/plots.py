@@ -29,8 +29,16 @@ _KIND_LABELS = {
 }
 
 
+# Points behind fewer rounds than this are drawn hollow: a rate from a handful of rounds says little.
+FEW_ROUNDS = 20
+
+
 def plot_acceptance_by_position(rows: list[dict], path: str | Path, title: str | None = None) -> Path:
-    """Conditional acceptance rate by draft position; rows of one temperature."""
+    """Conditional acceptance rate by draft position; rows of one temperature. Rows that carry
+    `accept_count_by_position` (rounds behind each rate) get 95% Wilson intervals, and positions with fewer than
+    FEW_ROUNDS rounds are drawn hollow."""
+    from .metrics import wilson_interval
+
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))
     if not datasets:
@@ -38,12 +46,28 @@ def plot_acceptance_by_position(rows: list[dict], path: str | Path, title: str |
     fig, axes = plt.subplots(
         1, len(datasets), figsize=(max(6.0, 4.2 * len(datasets)), 3.8), squeeze=False, sharey=True
     )
+    annotated = False
     for ax, data in zip(axes[0], datasets):
         for drafter in drafters:
             for row in rows:
                 if row["dataset"] == data and row["drafter"] == drafter:
                     rates = row["accept_rate_by_position"]
-                    ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{drafter} (tau {row['tau']:.2f})")
+                    positions = list(range(1, len(rates) + 1))
+                    (line,) = ax.plot(positions, rates, marker="o", label=f"{drafter} (tau {row['tau']:.2f})")
+                    counts = row.get("accept_count_by_position")
+                    if counts and len(counts) == len(rates):
+                        bounds = [wilson_interval(r * n, n) for r, n in zip(rates, counts)]
+                        below = [max(r - lo, 0.0) if n else 0.0 for r, n, (lo, _) in zip(rates, counts, bounds)]
+                        above = [max(hi - r, 0.0) if n else 0.0 for r, n, (_, hi) in zip(rates, counts, bounds)]
+                        # Explicit colors: an unset color would advance the axes' color cycle.
+                        ax.errorbar(positions, rates, yerr=[below, above], fmt="none", color=line.get_color(),
+                                    alpha=0.5, capsize=2)
+                        few = [(k, r) for k, r, n in zip(positions, rates, counts) if n < FEW_ROUNDS]
+                        if few:
+                            xs, ys = zip(*few)
+                            ax.plot(xs, ys, linestyle="none", marker="o", color=line.get_color(),
+                                    markerfacecolor="white")
+                        annotated = True
         ax.set_title(data)
         ax.set_xlabel("draft position k")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -51,6 +75,8 @@ def plot_acceptance_by_position(rows: list[dict], path: str | Path, title: str |
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("P(k accepted | 1..k-1 accepted)")
+    if annotated:
+        title = (title + "\n" if title else "") + f"bars: 95% Wilson interval; hollow: fewer than {FEW_ROUNDS} rounds"
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -22,7 +22,8 @@ Args:
     accepted (`list[int]`): draft tokens accepted in each round (0 <= accepted <= proposed).
     committed (`list[int]`, optional, compute() only): tokens committed in each round (default accepted + 1).
 Returns:
-    tau, accept_rate_by_position, verify_efficiency, rounds, committed_tokens, verified_tokens, proposed_tokens.
+    tau, accept_rate_by_position, accept_count_by_position (rounds behind each rate), verify_efficiency, rounds,
+    committed_tokens, verified_tokens, proposed_tokens.
 Example:
     >>> metric = hf_dspark.evaluation.load_metric("acceptance")
     >>> metric.compute(proposed=[4, 4], accepted=[4, 1])["tau"]
