@@ -94,6 +94,30 @@ class DraftFormat:
         if reason is not None:
             raise ExportError(f"cannot export this {draft.config.model_type} draft as {self.name!r}: {reason}")
 
+    def write_export(
+        self,
+        draft,
+        output_dir,
+        config: dict,
+        tensors: dict[str, torch.Tensor],
+        *,
+        architecture: str,
+        convention: str,
+        lost: dict[str, Any],
+        serve_command: str | None = None,
+        notes: list[str] | None = None,
+        dtype: torch.dtype | None = None,
+        overwrite: bool = False,
+    ) -> ExportResult:
+        """The common end of every export: cast, record what the format cannot hold (`lost`) and the dtype in the
+        config, then write config + weights + README atomically."""
+        tensors = cast(tensors, dtype)
+        config[EXPORT_META_KEY] = export_meta(draft, self.name, convention, lost)
+        config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
+        result = ExportResult(Path(output_dir), self.name, architecture, convention, serve_command, list(notes or []))
+        write_folder(output_dir, config, tensors, notes_readme(result, draft), overwrite=overwrite)
+        return result
+
 
 # -- tensors ------------------------------------------------------------------------------------------------
 

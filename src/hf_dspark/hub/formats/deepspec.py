@@ -21,7 +21,6 @@ from pathlib import Path
 
 from ...models import DFlashConfig, DSparkConfig, Eagle3Config
 from .base import (
-    EXPORT_META_KEY,
     OUR_LAYER_CONVENTION,
     DraftFormat,
     ExportError,
@@ -32,17 +31,12 @@ from .base import (
     architecture_fields,
     architecture_kwargs,
     block_layer_reasons,
-    cast,
     check_tensors,
     config_diff,
     decoder_layer_spec,
     draft_tensors,
-    dtype_name,
-    export_meta,
-    notes_readme,
     rename,
     strictly_increasing,
-    write_folder,
 )
 
 BLOCK_ARCHITECTURE = "Qwen3DSparkModel"
@@ -256,20 +250,19 @@ class DeepSpecFormat(DraftFormat):
 
     def export(self, draft, output_dir: Path, *, dtype=None, overwrite: bool = False, **options) -> ExportResult:
         config, tensors, arch = self.build(draft)
-        tensors = cast(tensors, dtype)
-        convention = f"hf_dspark's own: {OUR_LAYER_CONVENTION} (DeepSpec reads hidden_states[l + 1])"
-        lost = config_diff(draft.config, self.config_from(config))
-        config[EXPORT_META_KEY] = export_meta(draft, self.name, convention, lost)
-        config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
-        result = ExportResult(Path(output_dir), self.name, arch, convention)
-        result.serve_command = (
-            f"python eval.py --draft_name_or_path {Path(output_dir).name}   # DeepSpec checkout, target from "
-            "the draft's config"
-        )
+        notes = []
         if arch == BLOCK_ARCHITECTURE and draft.config.model_type == "dflash":
-            result.notes.append("DFlash is written as Qwen3DSparkModel with markov_rank 0 and no confidence head")
-        write_folder(output_dir, config, tensors, notes_readme(result, draft), overwrite=overwrite)
-        return result
+            notes.append("DFlash is written as Qwen3DSparkModel with markov_rank 0 and no confidence head")
+        return self.write_export(
+            draft, output_dir, config, tensors, architecture=arch,
+            convention=f"hf_dspark's own: {OUR_LAYER_CONVENTION} (DeepSpec reads hidden_states[l + 1])",
+            lost=config_diff(draft.config, self.config_from(config)),
+            serve_command=(
+                f"python eval.py --draft_name_or_path {Path(output_dir).name}   # DeepSpec checkout, target from "
+                "the draft's config"
+            ),
+            notes=notes, dtype=dtype, overwrite=overwrite,
+        )
 
     @classmethod
     def detect(cls, config: dict) -> bool:

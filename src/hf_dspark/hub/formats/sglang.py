@@ -18,19 +18,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import (
-    EXPORT_META_KEY,
     DraftFormat,
     ExportError,
     ExportResult,
-    cast,
     check_tensors,
     config_diff,
     draft_tensors,
-    dtype_name,
-    export_meta,
-    notes_readme,
     target_for_commands,
-    write_folder,
 )
 from .llama_eagle3 import (
     LAYER_CONVENTION,
@@ -70,20 +64,19 @@ class SglangFormat(DraftFormat):
         tensors = llama_eagle3_tensors(draft_tensors(draft), "midlayer.", True, cfg.vocab_size)
         spec = llama_eagle3_spec(config, "midlayer.", vocab_maps=True)
         check_tensors(tensors, spec, "the sglang export", ExportError)
-        tensors = cast(tensors, dtype)
         rebuilt = eagle3_from_llama(config, config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-        config[EXPORT_META_KEY] = export_meta(draft, self.name, LAYER_CONVENTION, config_diff(cfg, rebuilt))
-        config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
         steps = int(options.get("num_speculative_tokens") or cfg.num_draft_tokens)
         serve = (
             f"python -m sglang.launch_server --model-path {target_for_commands(cfg)} "
             f"--speculative-algorithm EAGLE3 --speculative-draft-model-path {output_dir} "
             f"--speculative-num-steps {steps} --speculative-eagle-topk 1 --speculative-num-draft-tokens {steps + 1}"
         )
-        notes = ["full vocabulary: d2t is all zeros and t2d all true (identity maps)"]
-        result = ExportResult(Path(output_dir), self.name, SGLANG_EAGLE3_ARCHITECTURE, LAYER_CONVENTION, serve, notes)
-        write_folder(output_dir, config, tensors, notes_readme(result, draft), overwrite=overwrite)
-        return result
+        return self.write_export(
+            draft, output_dir, config, tensors, architecture=SGLANG_EAGLE3_ARCHITECTURE, convention=LAYER_CONVENTION,
+            lost=config_diff(cfg, rebuilt), serve_command=serve,
+            notes=["full vocabulary: d2t is all zeros and t2d all true (identity maps)"], dtype=dtype,
+            overwrite=overwrite,
+        )
 
 
 __all__ = ["SglangFormat", "SGLANG_EAGLE3_ARCHITECTURE"]

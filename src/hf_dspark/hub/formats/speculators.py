@@ -21,21 +21,15 @@ import copy
 from pathlib import Path
 
 from .base import (
-    EXPORT_META_KEY,
     DraftFormat,
     ExportError,
     ExportResult,
     apply_export_meta,
-    cast,
     check_tensors,
     config_diff,
     draft_tensors,
-    dtype_name,
-    export_meta,
     looks_like_hub_id,
-    notes_readme,
     target_hub_id,
-    write_folder,
 )
 from .llama_eagle3 import (
     LAYER_CONVENTION,
@@ -121,18 +115,14 @@ class SpeculatorsFormat(DraftFormat):
         tensors = llama_eagle3_tensors(draft_tensors(draft), "layers.0.", True, cfg.vocab_size)
         spec = llama_eagle3_spec(self.layer_fields(config), "layers.0.", vocab_maps=True)
         check_tensors(tensors, spec, "the speculators export", ExportError)
-        tensors = cast(tensors, dtype)
         named = copy.deepcopy(cfg)
         named.target_name_or_path = verifier  # the verifier field now records the target
-        lost = config_diff(named, self.config_from(config))
-        config[EXPORT_META_KEY] = export_meta(draft, self.name, LAYER_CONVENTION, lost)
-        config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
-        result = ExportResult(
-            Path(output_dir), self.name, SPECULATORS_ARCHITECTURE, LAYER_CONVENTION, f"vllm serve {output_dir}",
-            [f"verifier: {verifier}", f"speculative_tokens: {tokens}", "full vocabulary: identity d2t/t2d"],
+        return self.write_export(
+            draft, output_dir, config, tensors, architecture=SPECULATORS_ARCHITECTURE, convention=LAYER_CONVENTION,
+            lost=config_diff(named, self.config_from(config)), serve_command=f"vllm serve {output_dir}",
+            notes=[f"verifier: {verifier}", f"speculative_tokens: {tokens}", "full vocabulary: identity d2t/t2d"],
+            dtype=dtype, overwrite=overwrite,
         )
-        write_folder(output_dir, config, tensors, notes_readme(result, draft), overwrite=overwrite)
-        return result
 
     @staticmethod
     def layer_fields(c: dict) -> dict:

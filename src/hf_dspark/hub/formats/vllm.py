@@ -22,21 +22,15 @@ import json
 from pathlib import Path
 
 from .base import (
-    EXPORT_META_KEY,
     OUR_LAYER_CONVENTION,
     DraftFormat,
     ExportError,
     ExportResult,
     apply_export_meta,
-    cast,
     check_tensors,
     config_diff,
     draft_tensors,
-    dtype_name,
-    export_meta,
-    notes_readme,
     target_for_commands,
-    write_folder,
 )
 from .deepspec import DeepSpecFormat, block_reasons
 from .llama_eagle3 import (
@@ -106,12 +100,11 @@ class VllmFormat(DraftFormat):
             convention = LAYER_CONVENTION
             serve = vllm_serve_command(target, "eagle3", str(output_dir), num_tokens)
             notes = ["full vocabulary: draft_vocab_size = vocab_size, no d2t/t2d"]
-        tensors = cast(tensors, dtype)
-        config[EXPORT_META_KEY] = export_meta(draft, self.name, convention, config_diff(cfg, self.config_from(config)))
-        config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
-        result = ExportResult(Path(output_dir), self.name, arch, convention, serve, notes)
-        write_folder(output_dir, config, tensors, notes_readme(result, draft), overwrite=overwrite)
-        return result
+        lost = config_diff(cfg, self.config_from(config))
+        return self.write_export(
+            draft, output_dir, config, tensors, architecture=arch, convention=convention, lost=lost,
+            serve_command=serve, notes=notes, dtype=dtype, overwrite=overwrite,
+        )
 
     @classmethod
     def detect(cls, config: dict) -> bool:
