@@ -12,26 +12,21 @@
 set -u
 stage=$1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source benchmarks/gpu/setup_device.sh
-export HF_DSPARK_DEFAULT_GGUF=/root/gguf/smollm2.gguf
-DATA=/root/data
+source benchmarks/gpu/setup_device.sh  # also: DATA, copy_first_half, assemble_target, target_path
 case "$stage" in
 copy1)
-  mkdir -p /root/gguf "$DATA" && cp .device/gguf1/gguf.part00 /root/gguf/ && cp -r .device/data/. "$DATA"/
-  ls -la /root/gguf "$DATA" | head -20
+  copy_first_half
   ;;
 train)
-  cat /root/gguf/gguf.part00 .device/gguf2/gguf.part01 > "$HF_DSPARK_DEFAULT_GGUF"
-  want=$(cut -d' ' -f1 .device/gguf2/gguf.sha256); got=$(sha256sum "$HF_DSPARK_DEFAULT_GGUF" | cut -d' ' -f1)
-  [ "$want" = "$got" ] || { echo "GGUF checksum mismatch"; exit 1; }
-  python3 -c "from hf_dspark.resources import default_target_path as p; print('target at', p())" 2>&1 | tail -1
+  assemble_target || exit 1
+  echo "target at $(target_path)"
   timeout 500 python3 benchmarks/train_throughput.py --data "$DATA/smollm2-135m-instruct.jsonl.gz" \
     --algorithms dspark dflash eagle3 --num_hidden_layers 2 --block_size 7 --time_budget 75 --eval_rows 256 \
     --probe_cache_rows 64 --output_dir /root/drafts --output "$OUT/train_smollm2.json" > "$OUT/train.log" 2>&1
   echo "train rc=$?"; grep -v "it/s\]\|examples/s\]" "$OUT/train.log" | tail -12
   ;;
 eval)
-  T=$(python3 -c "from hf_dspark.resources import default_target_path as p; print(p())")
+  T=$(target_path)
   timeout 330 python3 -m hf_dspark.cli eval --target "$T" \
     --draft dspark=/root/drafts/dspark --draft dflash=/root/drafts/dflash --draft eagle3=/root/drafts/eagle3 \
     --data gsm8k=$DATA/gsm8k.jsonl --data humaneval=$DATA/humaneval.jsonl --data mt-bench=$DATA/mt-bench.jsonl \
@@ -60,7 +55,7 @@ train_long)
   for algo in dspark dflash eagle3; do echo "== $algo"; grep -E "'loss'|eval_tau|train_runtime" "$OUT/train_long_$algo.log" | tail -3; done
   ;;
 speed)
-  T=$(python3 -c "from hf_dspark.resources import default_target_path as p; print(p())")
+  T=$(target_path)
   D=${DRAFTS:-/root/drafts}
   timeout 560 python3 benchmarks/generation_speed.py --target "$T" --draft dspark=$D/dspark --draft dflash=$D/dflash \
     --draft eagle3=$D/eagle3 --prompts $DATA/mt-bench.jsonl --num-prompts 8 --max-new-tokens 96 --batch-sizes 1 16 \

@@ -16,12 +16,10 @@
 set -u
 stage=$1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-source benchmarks/gpu/setup_device.sh
-export HF_DSPARK_DEFAULT_GGUF=/root/gguf/smollm2.gguf
-DATA=/root/data RUNS=/root/drafts_long LOGS=/root/logs
+source benchmarks/gpu/setup_device.sh  # also: DATA, copy_first_half, assemble_target, target_path
+RUNS=/root/drafts_long LOGS=/root/logs
 ALGOS=${ALGOS:-"dspark dflash eagle3"}  # e.g. ALGOS=dspark STEPS=2500 TRAIN_S=1300: one drafter for a whole session
 STEPS=${STEPS:-600}  # one epoch of the 9,619 training conversations at batch 16
-target_path() { python3 -c "from hf_dspark.resources import default_target_path as p; print(p())" 2>/dev/null | tail -1; }
 running() { pgrep -f "examples/train_dspark.py" >/dev/null; }
 progress() {
   for algo in $ALGOS; do
@@ -32,13 +30,10 @@ progress() {
 }
 case "$stage" in
 copy1)
-  mkdir -p /root/gguf "$DATA" && cp .device/gguf1/gguf.part00 /root/gguf/ && cp -r .device/data/. "$DATA"/
-  ls -la /root/gguf "$DATA" | head -20
+  copy_first_half
   ;;
 train)
-  cat /root/gguf/gguf.part00 .device/gguf2/gguf.part01 > "$HF_DSPARK_DEFAULT_GGUF"
-  want=$(cut -d' ' -f1 .device/gguf2/gguf.sha256); got=$(sha256sum "$HF_DSPARK_DEFAULT_GGUF" | cut -d' ' -f1)
-  [ "$want" = "$got" ] || { echo "GGUF checksum mismatch"; exit 1; }
+  assemble_target || exit 1
   echo "target at $(target_path)"
   mkdir -p "$LOGS" "$RUNS"; date +%s > /root/train_start
   for algo in $ALGOS; do
