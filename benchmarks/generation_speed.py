@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hf_dspark.data.prompts import count_new_tokens, eos_token_ids
+from hf_dspark.data.prompts import count_new_tokens, eos_token_ids, new_token_lengths
 
 
 @dataclass
@@ -225,16 +225,6 @@ def prompt_lookup_row(target, prompts, batch_size, temperature, args, pad_id, eo
     return row
 
 
-def _generated(tokens: torch.Tensor, eos_ids) -> list[int]:
-    """One row's new tokens up to and including its first EOS (padding after it is not output)."""
-    out = []
-    for t in tokens.tolist():
-        out.append(t)
-        if t in eos_ids:
-            break
-    return out
-
-
 def greedy_agreement(row: Row, outputs, reference, eos_ids) -> None:
     """Compare greedy outputs with target.generate()'s, row by row: identical rows, and where the others diverge.
 
@@ -243,8 +233,9 @@ def greedy_agreement(row: Row, outputs, reference, eos_ids) -> None:
     same), and the sequences continue differently from there."""
     identical, divergence = 0, []
     for out, ref in zip(outputs, reference):
-        for a, b in zip(out, ref):
-            a, b = _generated(a, eos_ids), _generated(b, eos_ids)
+        out_lengths, ref_lengths = new_token_lengths(out, eos_ids).tolist(), new_token_lengths(ref, eos_ids).tolist()
+        for a, b, n_a, n_b in zip(out, ref, out_lengths, ref_lengths):
+            a, b = a[:n_a].tolist(), b[:n_b].tolist()
             if a == b:
                 identical += 1
                 continue

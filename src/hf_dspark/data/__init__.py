@@ -16,7 +16,10 @@ _EXPORTS = {
     ),
     **dict.fromkeys(["encode_conversation", "load_conversations", "tokenize_conversations", "tokenizer_fingerprint"],
                     ".chat"),
-    **dict.fromkeys(["count_new_tokens", "encode_chat_prompts", "eos_token_ids", "first_turns", "left_pad"], ".prompts"),
+    **dict.fromkeys(
+        ["count_new_tokens", "encode_chat_prompts", "eos_token_ids", "first_turns", "left_pad", "new_token_lengths"],
+        ".prompts",
+    ),
     **dict.fromkeys(["read_prompts", "regenerate_responses"], ".regenerate"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

@@ -76,14 +76,18 @@ def eos_token_ids(target, tokenizer) -> list[int]:
     return ids
 
 
+def new_token_lengths(new: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """Output length of each row of generated tokens [B, n]: up to and including its first EOS (the padding after
+    it is not output), else n."""
+    if new.shape[1] == 0:
+        return torch.zeros(new.shape[0], dtype=torch.long, device=new.device)
+    is_eos = torch.isin(new, torch.tensor(list(eos_ids), device=new.device))
+    return torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, new.shape[1])
+
+
 def count_new_tokens(sequences: torch.Tensor, prompt_length: int, eos_ids: Sequence[int]) -> int:
     """Generated tokens per row up to and including the first EOS (padding after EOS is not counted), summed."""
-    new = sequences[:, prompt_length:]  # [B, n]
-    if new.shape[1] == 0:
-        return 0
-    is_eos = torch.isin(new, torch.tensor(list(eos_ids), device=new.device))
-    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, new.shape[1])  # [B]
-    return int(length.sum())
+    return int(new_token_lengths(sequences[:, prompt_length:], eos_ids).sum())
 
 
-__all__ = ["first_turns", "encode_chat_prompts", "left_pad", "eos_token_ids", "count_new_tokens"]
+__all__ = ["first_turns", "encode_chat_prompts", "left_pad", "eos_token_ids", "new_token_lengths", "count_new_tokens"]

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 from transformers import GenerationConfig
 
-from .prompts import eos_token_ids
+from .prompts import eos_token_ids, new_token_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -201,13 +201,11 @@ def _answer_batch(target, tokenizer, batch: list[Prompt], gen_config, eos_ids, d
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         out = target.generate(**enc, generation_config=gen_config)
         new = out[:, enc["input_ids"].shape[1] :]  # [A, <= max_new_tokens]
-        for j, (row, i) in enumerate(zip(new, active)):
-            is_eos = torch.isin(row, eos)
-            if is_eos.any():
-                n = int(is_eos.nonzero()[0, 0]) + 1  # keep the end-of-turn token in the count
-                answer = row[: n - 1]
-            else:
-                n, answer = row.shape[0], row
+        lengths = new_token_lengths(new, eos_ids).tolist()  # the end-of-turn token counts
+        ended = torch.isin(new, eos).any(1).tolist()
+        for j, (row, i, n, stop) in enumerate(zip(new, active, lengths, ended)):
+            answer = row[: n - 1] if stop else row
+            if not stop:
                 finish[i] = "length"
             messages[i].append(
                 {"role": "assistant", "content": tokenizer.decode(answer.tolist(), skip_special_tokens=True)}
