@@ -117,17 +117,22 @@ def block_config_from(c: dict):
     )
 
 
-def block_spec(c: dict) -> dict[str, TensorSpec]:
-    """Every tensor a Qwen3DSparkModel folder holds, with shapes computed from its config."""
+def _draft_io_spec(c: dict) -> dict[str, TensorSpec]:
+    """The tensors both DeepSpec drafters hold around their layers: embeddings, lm_head, final norm, feature fc."""
     d, vocab = c["hidden_size"], c["vocab_size"]
     m, target_d = len(c["target_layer_ids"]), c.get("target_hidden_size") or d
-    spec = {
+    return {
         "embed_tokens.weight": TensorSpec((vocab, d)),
         "lm_head.weight": TensorSpec((vocab, d)),
         "norm.weight": TensorSpec((d,)),
         "fc.weight": TensorSpec((d, m * target_d)),
-        "hidden_norm.weight": TensorSpec((d,)),
     }
+
+
+def block_spec(c: dict) -> dict[str, TensorSpec]:
+    """Every tensor a Qwen3DSparkModel folder holds, with shapes computed from its config."""
+    d, vocab = c["hidden_size"], c["vocab_size"]
+    spec = {**_draft_io_spec(c), "hidden_norm.weight": TensorSpec((d,))}
     for i in range(c["num_hidden_layers"]):
         spec.update(decoder_layer_spec(f"layers.{i}.", c, input_size=d, qk_norm=True))
     rank = int(c.get("markov_rank", 0) or 0)
@@ -198,14 +203,8 @@ def eagle3_config_from(c: dict) -> Eagle3Config:
 
 
 def eagle3_spec(c: dict) -> dict[str, TensorSpec]:
-    d, vocab = c["hidden_size"], c["vocab_size"]
-    m, target_d = len(c["target_layer_ids"]), c.get("target_hidden_size") or d
-    spec = {
-        "embed_tokens.weight": TensorSpec((vocab, d)),
-        "lm_head.weight": TensorSpec((vocab, d)),
-        "norm.weight": TensorSpec((d,)),
-        "fc.weight": TensorSpec((d, m * target_d)),
-    }
+    d = c["hidden_size"]
+    spec = _draft_io_spec(c)
     spec.update(decoder_layer_spec("layers.0.", c, input_size=2 * d, qk_norm=True, extra_norms=("hidden_norm",)))
     return spec
 
