@@ -171,15 +171,21 @@ def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, 
     return tokens, seconds, outputs, stats
 
 
-def benchmark(args) -> tuple[list[Row], dict]:
-    target, tokenizer, drafts, prompts = load_setup(args)
-    device = next(target.parameters()).device
+def special_ids(target, tokenizer) -> tuple[int, list[int]]:
+    """(pad id, EOS ids): the target's pad id, else the tokenizer's, else its first EOS id."""
+    eos_ids = eos_token_ids(target, tokenizer)
     pad_id = target.generation_config.pad_token_id
     if pad_id is None:
         pad_id = getattr(tokenizer, "pad_token_id", None)
-    eos_ids = eos_token_ids(target, tokenizer)
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else 0
+    return pad_id, eos_ids
+
+
+def benchmark(args, setup) -> tuple[list[Row], dict]:
+    target, tokenizer, drafts, prompts = setup
+    device = next(target.parameters()).device
+    pad_id, eos_ids = special_ids(target, tokenizer)
     hf_dflash, hf_dflash_note = load_hf_dflash(args, device, target)
     rows: list[Row] = []
     for temperature in args.temperatures:
@@ -281,18 +287,16 @@ def hf_dflash_row(target, prompts, batch_size, temperature, args, pad_id, eos_id
     return row
 
 
-def profile_calls(args) -> None:
+def profile_calls(args, setup) -> None:
     """Operator tables (CPU and device time, call counts) of one generate() call of the target alone and one with
     the first draft: where a round's time goes, and how many operators it launches per committed token."""
     from torch.profiler import ProfilerActivity, profile
 
     from hf_dspark.data.prompts import left_pad
 
-    target, tokenizer, drafts, prompts = load_setup(args)
+    target, tokenizer, drafts, prompts = setup
     device = next(target.parameters()).device
-    pad_id = target.generation_config.pad_token_id
-    eos_ids = eos_token_ids(target, tokenizer)
-    pad_id = pad_id if pad_id is not None else (eos_ids or [0])[0]
+    pad_id, eos_ids = special_ids(target, tokenizer)
     batch = prompts[: max(args.batch_sizes)]
     ids, mask = left_pad(batch, pad_id, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -367,7 +371,8 @@ def table(rows: list[Row]) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    rows, meta = benchmark(args)
+    setup = load_setup(args)  # (target, tokenizer, drafts, prompts), shared by the timings and the profile
+    rows, meta = benchmark(args, setup)
     result = {
         "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["generation_speed.py", *argv]),
         "hardware": hardware(meta["device"]),
@@ -381,7 +386,7 @@ def main(argv=None) -> int:
     with open(args.json, "w") as handle:
         json.dump(result, handle, indent=2)
     if args.profile:
-        profile_calls(args)
+        profile_calls(args, setup)
     print(f"results written to {args.json}")
     print(table(rows))
     return 0
