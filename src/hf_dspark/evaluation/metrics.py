@@ -98,14 +98,19 @@ class AcceptanceStats:
         return self.committed / self.fed if self.fed else float("nan")
 
     @property
+    def _used_positions(self) -> int:
+        """Positions up to the last one any round reached."""
+        return int(np.max(np.nonzero(self.reached)[0]) + 1) if self.reached.any() else 0
+
+    @property
     def accept_count_by_position(self) -> list[int]:
         """Rounds behind each accept_rate@k: slot k proposed with slots 1..k-1 accepted (its denominator)."""
-        return [int(n) for n in self.reached[: len(self.accept_rate_by_position)]]
+        return [int(n) for n in self.reached[: self._used_positions]]
 
     @property
     def accept_rate_by_position(self) -> list[float]:
-        used = int(np.max(np.nonzero(self.reached)[0]) + 1) if self.reached.any() else 0
-        return [float(self.hit[k] / self.reached[k]) if self.reached[k] else float("nan") for k in range(used)]
+        reached, hit = self.reached, self.hit
+        return [float(hit[k] / reached[k]) if reached[k] else float("nan") for k in range(self._used_positions)]
 
     def to_dict(self) -> dict:
         return {
