@@ -21,10 +21,11 @@ RUNS=/root/drafts_long LOGS=/root/logs
 ALGOS=${ALGOS:-"dspark dflash eagle3"}  # e.g. ALGOS=dspark STEPS=2500 TRAIN_S=1300: one drafter for a whole session
 STEPS=${STEPS:-600}  # one epoch of the 9,619 training conversations at batch 16
 running() { pgrep -f "examples/train_dspark.py" >/dev/null; }
+newest_step() { ls -d $RUNS/$1/checkpoint-* 2>/dev/null | sed 's/.*-//' | sort -n | tail -1; }
 progress() {
   for algo in $ALGOS; do
     last=$(grep -o "'loss': [0-9.]*\|'eval_tau_prob': [0-9.]*\|'epoch': [0-9.]*" "$LOGS/$algo.log" 2>/dev/null | tail -3 | tr '\n' ' ')
-    ckpt=$(ls -d $RUNS/$algo/checkpoint-* 2>/dev/null | sed 's/.*-//' | sort -n | tail -1)
+    ckpt=$(newest_step $algo)
     echo "  $algo: checkpoint ${ckpt:-none} | $last"
   done
 }
@@ -66,7 +67,7 @@ wait_eval)
   if running; then
     pkill -f "examples/train_dspark.py"; sleep 5
     # Equal steps: the newest checkpoint step that every drafter reached.
-    common=$(for algo in $ALGOS; do ls -d $RUNS/$algo/checkpoint-* | sed 's/.*-//' | sort -n | tail -1; done | sort -n | head -1)
+    common=$(for algo in $ALGOS; do newest_step $algo; done | sort -n | head -1)
     echo "stopped at the deadline; using checkpoint-$common of each drafter (schedule planned for $STEPS steps)"
     for algo in $ALGOS; do echo "$algo=$RUNS/$algo/checkpoint-$common" >> /root/drafts_used.txt; done
   else
@@ -74,8 +75,7 @@ wait_eval)
   fi
   progress; cat /root/drafts_used.txt
   for algo in $ALGOS; do  # learning curves (log_history) of the newest checkpoint
-    state=$(ls -d $RUNS/$algo/checkpoint-* | sort -t- -k2 -n | tail -1)/trainer_state.json
-    cp "$state" "$LOGS/trainer_state_$algo.json"
+    cp "$RUNS/$algo/checkpoint-$(newest_step $algo)/trainer_state.json" "$LOGS/trainer_state_$algo.json"
   done
   drafts=$(sed 's/^/--draft /' /root/drafts_used.txt | tr '\n' ' ')
   remain=$(( 585 - SECONDS ))
