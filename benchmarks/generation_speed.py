@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import hardware  # noqa: E402
 
 from hf_dspark.data.prompts import count_new_tokens, eos_token_ids, new_token_lengths
 
@@ -208,6 +211,7 @@ def benchmark(args, setup) -> tuple[list[Row], dict]:
                     row.new_tokens, row.seconds, outputs, stats = run_method(*common, draft, extra)
                     if stats is not None:
                         row.tau, row.draft_time, row.verify_time = stats.tau, stats.draft_time, stats.verify_time
+                        round_costs(row, base, stats, batch_size)
                         row.extra["accept_rate_by_position"] = stats.accept_rate_by_position
                         row.extra["verified_tokens"] = stats.verified_tokens
                     if temperature == 0:
@@ -215,6 +219,21 @@ def benchmark(args, setup) -> tuple[list[Row], dict]:
                     rows.append(row)
             rows.append(hf_dflash_row(*common, hf_dflash, hf_dflash_note))
     return rows, {"device": device, "dtype": str(next(target.parameters()).dtype)}
+
+
+def round_costs(row: Row, base: Row, stats, batch_size: int) -> None:
+    """Per-round cost: wall ms per round, the draft's share of it and, at batch 1, a round in target decode steps
+    (the target alone decodes one token per step; a round commits tau tokens, so speedup = tau / round cost)."""
+    rounds = stats.acceptance.rounds
+    if not rounds or not row.seconds:
+        return
+    row.extra["rounds"] = rounds
+    row.extra["ms_per_round"] = 1e3 * row.seconds / rounds
+    row.extra["draft_share"] = stats.draft_time / row.seconds
+    if batch_size == 1 and base.new_tokens and base.seconds:
+        step_ms = 1e3 * base.seconds / base.new_tokens
+        row.extra["target_step_ms"] = step_ms
+        row.extra["round_cost_target_steps"] = row.extra["ms_per_round"] / step_ms
 
 
 def prompt_lookup_row(target, prompts, batch_size, temperature, args, pad_id, eos_ids, reference) -> Row:
@@ -334,24 +353,11 @@ def profile_calls(args, setup) -> None:
 # -- report -----------------------------------------------------------------------------------------------------
 
 
-def hardware(device: torch.device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
-    import transformers
-
-    info["transformers"] = transformers.__version__
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        info["cpu"] = platform.processor() or platform.machine()
-        info["cpu_threads"] = torch.get_num_threads()
-    return info
-
-
 def table(rows: list[Row]) -> str:
     base = {(r.batch_size, r.temperature): r.tokens_per_second for r in rows if r.method == "target"}
     header = (
         f"{'method':<20} {'batch':>5} {'temp':>4} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'spd/tau':>8} "
-        f"{'greedy=':>7}  note"
+        f"{'greedy=':>7} {'ms/rnd':>7} {'rnd/step':>8} {'draft%':>6}  note"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -363,7 +369,9 @@ def table(rows: list[Row]) -> str:
         same = "" if r.matches_target is None else ("yes" if r.matches_target else "NO")
         lines.append(
             f"{r.method:<20} {r.batch_size:>5} {r.temperature:>4g} {fmt(tps, '9.1f'):>9} {fmt(speedup, '8.2f'):>8} "
-            f"{fmt(r.tau, '6.2f'):>6} {fmt(ratio, '8.2f'):>8} {same:>7}  {r.note}"
+            f"{fmt(r.tau, '6.2f'):>6} {fmt(ratio, '8.2f'):>8} {same:>7} {fmt(r.extra.get('ms_per_round'), '7.2f'):>7} "
+            f"{fmt(r.extra.get('round_cost_target_steps'), '8.2f'):>8} "
+            f"{fmt(100 * r.extra['draft_share'] if 'draft_share' in r.extra else None, '6.1f'):>6}  {r.note}"
         )
     return "\n".join(lines)
 

@@ -1,0 +1,41 @@
+"""Pieces the benchmark scripts share: the hardware record of every JSON result and a tiny CPU smoke setup."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def hardware(device) -> dict:
+    """What ran the benchmark: platform, library versions, GPU or CPU."""
+    import transformers
+
+    device = torch.device(device)
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__}
+    info["transformers"] = transformers.__version__
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_count"] = torch.cuda.device_count()
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+        info["cpu_threads"] = torch.get_num_threads()
+    return info
+
+
+def tiny_target(num_rows: int = 8, length: int = 64, seed: int = 0):
+    """(random tiny Llama target, tokenized rows) for --smoke runs: rows carry input_ids and a loss mask on their
+    second half, as `tokenize_conversations` produces them."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    target = AutoModelForCausalLM.from_config(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (num_rows, length), generator=gen).tolist()
+    mask = [[0] * (length // 2) + [1] * (length - length // 2) for _ in range(num_rows)]
+    return target, Dataset.from_dict({"input_ids": ids, "loss_mask": mask})

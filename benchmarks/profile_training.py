@@ -1,0 +1,303 @@
+"""Where a draft-training step spends its time: phases, kernel families, host gaps.
+
+Runs the real `DraftTrainer` step pieces on real batches (tokenized conversations answered by the target) and
+reports, per phase, the wall time with the device synchronized at the phase boundaries:
+    data      next batch from the Trainer's dataloader, moved to the device
+    target    the online target's forward (context features + final hidden states), no grad
+    draft     anchor sampling + the draft's training forward
+    loss      the vocabulary-wide objective (its forward also forms the gradients it can)
+    backward  autograd through the draft
+    optimizer clip + optimizer step + zero_grad
+then the end-to-end step time of `trainer.train()` itself over the same number of steps (Trainer overhead included),
+and a kernel table from torch.profiler (device time by kernel family, plus device idle = host gaps).
+
+    python benchmarks/profile_training.py --target PATH --data answers.jsonl.gz --output profile.json
+    python benchmarks/profile_training.py --device cpu --smoke        # tiny random target (checks the code path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import hardware, tiny_target  # noqa: E402
+
+PHASES = ("data", "target", "draft", "loss", "backward", "optimizer")
+
+# Kernel name -> family, first match wins.
+FAMILIES = [
+    ("attention (flex)", r"flex|triton_tem_fused_flex"),
+    ("attention (sdpa/flash)", r"flash|fmha|attention|sdpa|efficient_attention"),
+    ("matmul", r"gemm|cutlass|nvjet|sm90_xmma|wgmma|cublas|splitK|ampere_.*_s16816|matmul"),
+    ("triton (compiled/fused)", r"^triton_"),
+    ("softmax/logsumexp", r"softmax|logsumexp"),
+    ("reduce", r"reduce|argmax|sum|norm"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("copy/cast", r"copy|cast|to_|convert|cat|index|gather|scatter|fill"),
+    ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
+]
+
+
+def family(name: str) -> str:
+    for label, pattern in FAMILIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return label
+    return "other"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default=None, help="conversations answered by the target, JSONL(.gz)")
+    p.add_argument("--algorithm", default="dspark", choices=["dspark", "dflash", "eagle3"])
+    p.add_argument("--num_hidden_layers", type=int, default=2)
+    p.add_argument("--block_size", type=int, default=7)
+    p.add_argument("--num_anchors", type=int, default=512)
+    p.add_argument("--max_length", type=int, default=1024)
+    p.add_argument("--pad_to_multiple_of", type=int, default=None, help="default: max_length (one shape)")
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=8, help="measured steps per measurement")
+    p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation)")
+    p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--loss_backend", default=None, help="loss backend (auto/triton/torch) where supported")
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
+    p.add_argument("--dataloader_num_workers", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny random target and synthetic conversations")
+    p.add_argument("--trace_steps", type=int, default=3, help="steps under torch.profiler (0: no kernel table)")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.add_argument("--table", default=None, help="also write the kernel table (text) here")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build(args, cuda: bool, output_dir: str):
+    from hf_dspark import DraftTrainer, DraftTrainingArguments
+    from hf_dspark.data import load_conversations, tokenize_conversations
+
+    if args.smoke:
+        target, rows = tiny_target(num_rows=4 * args.batch_size, length=args.max_length)
+    else:
+        from hf_dspark.resources import load_target
+
+        target, tokenizer = load_target(args.target, dtype="bfloat16" if cuda else "float32")
+        conversations = load_conversations(args.data)
+        conversations = conversations.select(range(min(len(conversations), 64 * args.batch_size)))
+        rows = tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
+    extra = {}
+    if args.loss_backend is not None:
+        extra["loss_backend"] = args.loss_backend
+    training_args = DraftTrainingArguments(
+        output_dir=output_dir,
+        algorithm=args.algorithm,
+        num_hidden_layers=None if args.algorithm == "eagle3" else args.num_hidden_layers,
+        block_size=args.block_size,
+        num_anchors=None if args.algorithm == "eagle3" else args.num_anchors,
+        max_length=args.max_length,
+        pad_to_multiple_of=args.pad_to_multiple_of or args.max_length,
+        compile_loss=cuda if args.compile_loss is None else args.compile_loss,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=6e-4,
+        max_steps=10_000,
+        bf16=cuda,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        logging_steps=10_000,
+        logging_nan_inf_filter=False,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not cuda,
+        dataloader_num_workers=args.dataloader_num_workers,
+        dataloader_pin_memory=cuda,
+        seed=args.seed,
+        disable_tqdm=True,
+        **extra,
+    )
+    trainer = DraftTrainer(args=training_args, train_dataset=rows, target_model=target)
+    if hasattr(trainer.model, "block_mask_kind"):
+        trainer.model.block_mask_kind = args.attention
+    return trainer
+
+
+def phase_times(trainer, steps: int, warmup: int, cuda: bool) -> dict[str, list[float]]:
+    """Run steps piece by piece with the device synchronized between pieces (seconds per phase)."""
+    model, device = trainer.model, trainer.args.device
+    model.train()
+    trainer.create_optimizer_and_scheduler(num_training_steps=10_000)
+    optimizer = trainer.optimizer
+    loader = iter(trainer.get_train_dataloader())
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    out: dict[str, list[float]] = defaultdict(list)
+    from hf_dspark.models.anchors import sample_anchors
+    from hf_dspark.training.losses import draft_loss
+
+    for step in range(warmup + steps):
+        sync()
+        t = [time.perf_counter()]
+        batch = next(loader)
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        sync(); t.append(time.perf_counter())  # fmt: skip
+        inputs = dict(batch)
+        with autocast:
+            inputs.update(trainer._target_features(model, inputs))
+        sync(); t.append(time.perf_counter())  # fmt: skip
+        with autocast:
+            if hasattr(model.config, "num_anchors"):
+                gen = torch.Generator(device=device).manual_seed(step)
+                positions, valid = sample_anchors(
+                    inputs["loss_mask"] * inputs["attention_mask"], model.config.num_anchors, gen, fixed_count=True
+                )
+                inputs.update(anchor_positions=positions, anchor_mask=valid)
+            outputs = model(**inputs)
+        sync(); t.append(time.perf_counter())  # fmt: skip
+        with autocast:
+            kwargs = {"compile": trainer.args.compile_loss}
+            backend = getattr(trainer.args, "loss_backend", None)
+            if backend is not None:
+                kwargs["backend"] = backend
+            result = draft_loss(model, outputs, **kwargs)
+        sync(); t.append(time.perf_counter())  # fmt: skip
+        result.loss.backward()
+        sync(); t.append(time.perf_counter())  # fmt: skip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(); t.append(time.perf_counter())  # fmt: skip
+        if step >= warmup:
+            for name, a, b in zip(PHASES, t, t[1:]):
+                out[name].append(b - a)
+    return out
+
+
+class _StepClock:
+    """Trainer callback: wall time of each optimizer step (device synchronized at step ends)."""
+
+    def __init__(self, cuda):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                if cuda:
+                    torch.cuda.synchronize()
+                clock.begin = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                if cuda:
+                    torch.cuda.synchronize()
+                clock.times.append(time.perf_counter() - clock.begin)
+
+        self.times: list[float] = []
+        self.callback = Callback()
+
+
+def trainer_steps(trainer, steps: int, warmup: int, cuda: bool) -> tuple[list[float], float]:
+    """trainer.train() for warmup + steps steps; (per-step seconds after warm-up, seconds to the first step end)."""
+    clock = _StepClock(cuda)
+    trainer.add_callback(clock.callback)
+    trainer.args.max_steps = warmup + steps
+    start = time.perf_counter()
+    trainer.train()
+    first = clock.times[0] if clock.times else float("nan")
+    del start
+    return clock.times[warmup:], first
+
+
+def kernel_table(trainer, steps: int, cuda: bool) -> tuple[list[dict], dict]:
+    """Device time by kernel family over `steps` Trainer steps, and the device-busy fraction."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    trainer.args.max_steps = steps  # train() starts a new run: `steps` more steps
+    wall = time.perf_counter()
+    with profile(activities=activities) as prof:
+        trainer.train(resume_from_checkpoint=None)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - wall
+    by_family: dict[str, float] = defaultdict(float)
+    by_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for event in prof.key_averages():
+        dev = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if dev and event.device_type == torch.autograd.DeviceType.CUDA:
+            by_family[family(event.key)] += dev / 1e3
+            by_kernel[event.key][0] += dev / 1e3
+            by_kernel[event.key][1] += event.count
+    busy = sum(by_family.values())
+    rows = [{"family": f, "ms_per_step": ms / steps, "share": ms / busy if busy else 0.0}
+            for f, ms in sorted(by_family.items(), key=lambda kv: -kv[1])]  # fmt: skip
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:25]
+    summary = {
+        "wall_ms_per_step": 1e3 * wall / steps,
+        "device_busy_ms_per_step": busy / steps,
+        "device_idle_fraction": max(0.0, 1 - busy / (1e3 * wall)) if wall else None,
+        "top_kernels": [{"kernel": k[:120], "ms_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for k, v in top],
+    }
+    return rows, summary
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.smoke:
+        args.batch_size, args.max_length, args.num_anchors, args.steps, args.warmup = 2, 64, 8, 2, 1
+    cuda = args.device.startswith("cuda")
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build(args, cuda, tmp)
+        setup_s = time.perf_counter() - t0
+        step_s, first_s = trainer_steps(trainer, args.steps, args.warmup, cuda)
+        phases = phase_times(trainer, args.steps, 1, cuda)
+        families, summary = kernel_table(trainer, args.trace_steps, cuda) if args.trace_steps else ([], {})
+    median = {name: statistics.median(v) * 1e3 for name, v in phases.items()}
+    tokens = args.batch_size * args.max_length
+    report = {
+        "benchmark": "profile_training",
+        "command": "python " + " ".join(sys.argv),
+        "hardware": hardware(args.device),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "table")},
+        "setup_s": setup_s,
+        "time_to_first_step_end_s": first_s,
+        "trainer_step_ms": statistics.median(step_s) * 1e3 if step_s else None,
+        "trainer_tokens_per_s": tokens / statistics.median(step_s) if step_s else None,
+        "phase_ms": median,
+        "phase_sum_ms": sum(median.values()),
+        "kernel_families": families,
+        "kernel_summary": summary,
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
+    lines = [f"| {args.algorithm} | ms |", "|---|---|"]
+    lines += [f"| trainer step (median of {args.steps}) | {report['trainer_step_ms']:.1f} |",
+              f"| first step end after start of train() | {first_s * 1e3:.0f} |"]  # fmt: skip
+    lines += [f"| phase: {name} | {median[name]:.1f} |" for name in PHASES]
+    lines += [f"| phases summed (synchronized) | {report['phase_sum_ms']:.1f} |"]
+    if families:
+        lines += ["", "| kernel family | ms/step | share |", "|---|---|---|"]
+        lines += [f"| {r['family']} | {r['ms_per_step']:.2f} | {r['share']:.0%} |" for r in families]
+        lines += [f"| device busy / wall per step | {summary['device_busy_ms_per_step']:.1f} / "
+                  f"{summary['wall_ms_per_step']:.1f} | idle {summary['device_idle_fraction']:.0%} |"]  # fmt: skip
+        lines += ["", "| top kernels | ms/step | calls/step |", "|---|---|---|"]
+        lines += [f"| {k['kernel'][:70]} | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} |"
+                  for k in summary["top_kernels"][:12]]  # fmt: skip
+    text = "\n".join(lines)
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=2))
+    if args.table:
+        Path(args.table).write_text(text + "\n")
+    print(text)
+    return report
+
+
+if __name__ == "__main__":
+    main()
