@@ -15,7 +15,7 @@ from fake_hub import fake_hub  # noqa: F401  (fixture)
 from safetensors.torch import load_file, save_file
 
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
-from hf_dspark.generation.sampling import TokenSampler
+from hf_dspark.sampling import TokenSampler
 from hf_dspark.hub import load_draft
 
 VOCAB, D, HEADS, KV, HEAD_DIM, INTER, RANK = 96, 32, 4, 2, 16, 64, 8

@@ -73,9 +73,9 @@ from transformers import DynamicCache
 from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from ..models.target import TargetFeatureHooks
+from ..sampling import TokenSampler, apply_logits_processors
+from ..target import TargetFeatureHooks
 from .rejection import verify_block
-from .sampling import TokenSampler, apply_logits_processors
 from .scheduler import (
     SCHEDULES,
     SPSTable,

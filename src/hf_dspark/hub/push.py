@@ -5,7 +5,7 @@ them), a model card (cards.py), the evaluation JSON and its acceptance plot when
 remote-code shim. `push_target_cache(cache_dir, repo_id)` publishes a target cache as a `datasets` dataset.
 
 Remote code. The draft classes live in the `hf_dspark` package, whose modules import each other with nested
-relative imports (`from ..backbone import ...`, `from ...generation.sampling import ...`); transformers' dynamic
+relative imports (`from ..backbone import ...`, `from ...sampling import ...`); transformers' dynamic
 module loader only resolves same-folder `from .x import` files, so the package cannot be shipped as is, and a
 flattened copy generated at push time would fork the code (fixes would never reach published drafts) while
 still being useless without the package: `generate(assistant_model=draft)` needs hf_dspark's decoding loop.

@@ -2,12 +2,12 @@
 
 from transformers import AutoConfig, AutoModel
 
+from ..target import TargetFeatureHooks, TargetSpec, default_target_layer_ids, target_features
 from .configuration_draft import DraftConfig
 from .dflash import DFlashConfig, DFlashModel
 from .dspark import BlockDraftOutput, DSparkConfig, DSparkModel
 from .eagle3 import Eagle3Config, Eagle3Model, Eagle3Output
 from .modeling_draft import DraftPreTrainedModel, DraftProposal
-from .target import TargetFeatureHooks, TargetSpec, default_target_layer_ids, target_features
 
 # The drafter registry: model_type -> (config class, model class). Adding a drafter = adding a folder + a row.
 DRAFTERS = {

@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from .target import validate_layer_ids
+from ..target import validate_layer_ids
 
 
 class DraftConfig(PreTrainedConfig):

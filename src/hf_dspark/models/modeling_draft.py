@@ -18,17 +18,17 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..generation.sampling import TokenSampler
-from .backbone import DraftRMSNorm, DraftRotary, check_feature_width, softcap
-from .configuration_draft import DraftConfig
-from .context_cache import DraftContextCache, pack_left
-from .target import (
+from ..sampling import TokenSampler
+from ..target import (
     TargetSpec,
     default_target_layer_ids,
     target_config_hash,
     target_weights_fingerprint,
     validate_layer_ids,
 )
+from .backbone import DraftRMSNorm, DraftRotary, check_feature_width, softcap
+from .configuration_draft import DraftConfig
+from .context_cache import DraftContextCache, pack_left
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..evaluation.metrics import training_acceptance_estimates
+from ..metrics import training_acceptance_estimates
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from transformers import Trainer, set_seed
 
 from ..models import DraftPreTrainedModel, drafter_classes
 from ..models.anchors import sample_anchors
-from ..models.target import target_features
+from ..target import target_features
 from .arguments import DraftTrainingArguments
 from .collator import DraftDataCollator
 from .losses import draft_loss
