@@ -38,7 +38,29 @@ from .models import (
     target_features,
 )
 
+from .models.modeling_draft import bind_hub_services
+
 __version__ = "0.1.0"
+
+
+def _hub_function(name: str):
+    """`hf_dspark.hub.<name>`, imported on first call (the hub stage stays unloaded until a draft uses it)."""
+
+    def call(*args, **kwargs):
+        from . import hub
+
+        return getattr(hub, name)(*args, **kwargs)
+
+    return call
+
+
+# Draft.from_pretrained (foreign layouts, deprecated) and draft.push_to_hub are hub services; the models layer
+# sits below hub and receives them here rather than importing upward.
+bind_hub_services(
+    foreign_format=_hub_function("foreign_format"),
+    load_foreign_draft=_hub_function("load_foreign_draft"),
+    push_draft=_hub_function("push_draft"),
+)
 
 # name -> stage module, imported lazily (keeps `import hf_dspark` light: no Trainer, datasets or matplotlib).
 _LAZY = {

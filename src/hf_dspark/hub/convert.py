@@ -7,8 +7,8 @@
 `from_pretrained`; a foreign layout is detected from its config (hub/formats), its tensors are checked against
 the shapes its config implies (a key the consumer needs but that is missing, or one it would skip, is an
 error) and renamed, and the draft is built on the meta device and filled with the loaded tensors (no random
-initialisation, no second copy). `DraftPreTrainedModel.from_pretrained` reaches the same code through
-`foreign_format` + `load_foreign_draft`, so `DSparkModel.from_pretrained(deepspec_dir)` works too.
+initialisation, no second copy). `DraftPreTrainedModel.from_pretrained` still reaches the same code through
+`foreign_format` + `load_foreign_draft`, with a FutureWarning: `load_draft` is the entry for foreign layouts.
 """
 
 from __future__ import annotations
@@ -180,8 +180,8 @@ def load_foreign_draft(
     model_cls = DRAFTERS[config.model_type][1]
     if expected_class is not None and not issubclass(model_cls, expected_class):
         raise ValueError(
-            f"{path_or_repo} holds a {config.model_type} draft ({fmt.name} layout): load it with "
-            f"{model_cls.__name__}.from_pretrained or hf_dspark.hub.load_draft, not {expected_class.__name__}"
+            f"{path_or_repo} holds a {config.model_type} draft ({fmt.name} layout), not a "
+            f"{expected_class.__name__}: load it with hf_dspark.load_draft(path)"
         )
     model = build_draft(model_cls, config, state, str(path_or_repo))
     dtype = resolve_dtype(dtype if dtype is not None else torch_dtype)
