@@ -20,6 +20,7 @@ from .generation import (
 )
 from .models import (
     DRAFTERS,
+    DrafterSpec,
     BlockDraftOutput,
     DFlashConfig,
     DFlashModel,
@@ -35,6 +36,7 @@ from .models import (
     TargetSpec,
     default_target_layer_ids,
     drafter_classes,
+    drafter_spec,
     target_features,
 )
 
@@ -90,7 +92,9 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "DRAFTERS",
+    "DrafterSpec",
     "drafter_classes",
+    "drafter_spec",
     "DraftConfig",
     "DraftPreTrainedModel",
     "DraftProposal",

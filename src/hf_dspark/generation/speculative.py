@@ -195,13 +195,13 @@ def check_draft_for_target(target, draft) -> None:
 
 
 def _num_draft_tokens(draft, config: SpeculativeConfig) -> int:
-    from ..models.eagle3 import Eagle3Model
+    from ..models import drafter_spec
 
     block = draft.config.num_draft_tokens
     if config.block_size is None:
         return int(block)
     n = int(config.block_size)
-    if not isinstance(draft, Eagle3Model) and n > block:
+    if not drafter_spec(draft.config.model_type).autoregressive and n > block:
         raise ValueError(
             f"dspark_block_size / num_assistant_tokens = {n} exceeds the draft's block_size {block}: a block drafter "
             f"proposes at most block_size tokens per round (use <= {block}, or a draft trained with a larger block)"

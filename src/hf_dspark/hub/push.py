@@ -31,9 +31,6 @@ REMOTE_CODE_FILE = "hf_dspark_remote.py"
 EVAL_RESULTS_FILE = "eval_results.json"
 CACHE_MANIFEST_FILE = "hf_dspark_target_cache.json"
 
-_CLASS_NAMES = {"dspark": ("DSparkConfig", "DSparkModel"), "dflash": ("DFlashConfig", "DFlashModel"),
-                "eagle3": ("Eagle3Config", "Eagle3Model")}
-
 REMOTE_CODE = '''"""Lets `AutoModel.from_pretrained(<this repo>, trust_remote_code=True)` load this hf_dspark draft.
 
 The model code is the installed `hf_dspark` package (pip install hf_dspark); this file only subclasses its
@@ -121,7 +118,8 @@ def stage_draft(
             render_acceptance_plot(mine, folder / PLOT_FILE, f"{model_type} draft: acceptance by position")
 
     if remote_code:
-        config_class, model_class = _CLASS_NAMES[model_type]
+        spec = DRAFTERS[model_type]
+        config_class, model_class = spec.config_class.__name__, spec.model_class.__name__
         (folder / REMOTE_CODE_FILE).write_text(
             REMOTE_CODE.format(config_class=config_class, model_class=model_class), encoding="utf-8"
         )

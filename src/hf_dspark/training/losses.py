@@ -416,21 +416,22 @@ def eagle3_loss(draft, outputs, *, chunk_elements: int | None = None, compile: b
     return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
 
 
-def draft_loss(draft, outputs, **kwargs) -> DraftLossOutput:
-    """The objective that matches the draft's training output (block drafters or Eagle3)."""
-    from ..models import BlockDraftOutput, Eagle3Output
+# Training objectives by the name a drafter's registry entry gives (DrafterSpec.objective).
+OBJECTIVES = {"block": block_draft_loss, "eagle3": eagle3_loss}
 
-    if isinstance(outputs, BlockDraftOutput):
-        return block_draft_loss(draft, outputs, **kwargs)
-    if isinstance(outputs, Eagle3Output):
-        return eagle3_loss(draft, outputs, **kwargs)
-    raise TypeError(f"no objective for {type(outputs).__name__}: expected BlockDraftOutput or Eagle3Output")
+
+def draft_loss(draft, outputs, **kwargs) -> DraftLossOutput:
+    """The objective the draft's registry entry names (block drafters or Eagle3)."""
+    from ..models import drafter_spec
+
+    return OBJECTIVES[drafter_spec(draft.config.model_type).objective](draft, outputs, **kwargs)
 
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "DraftLossOutput",
     "HeadStats",
+    "OBJECTIVES",
     "block_draft_loss",
     "chunk_rows",
     "draft_loss",
