@@ -47,7 +47,7 @@ def unit_of(module: str) -> tuple[int, str]:
     for index, (_, units) in enumerate(LAYERS):
         if parts and parts[0] in units:
             return index, parts[0]
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {Path(__file__).name} and to docs/ARCHITECTURE.md")
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS here and to docs/ARCHITECTURE.md")
 
 
 def _type_checking_only(node: ast.If) -> bool:

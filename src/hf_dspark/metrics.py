@@ -1,4 +1,4 @@
-"""The one definition of every speculative-decoding metric in hf_dspark (ALGORITHMS.md, "Metrics").
+"""The one definition of every speculative-decoding metric in hf_dspark (docs/ALGORITHMS.md, "Metrics").
 
 Training logs, `generate()` statistics and the evaluation command all call these functions.
 
@@ -149,7 +149,7 @@ def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[flo
 def training_acceptance_estimates(
     accept_rate: torch.Tensor, greedy_match: torch.Tensor, eval_mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """Estimates of tau from a training batch (ALGORITHMS.md):
+    """Estimates of tau from a training batch (docs/ALGORITHMS.md, "DSpark / DFlash loss"):
 
     accept_rate [..., K] = c*_k = 1 - TV(p_d, p_t); greedy_match [..., K] = 1[argmax p_d = argmax p_t];
     eval_mask [..., K]. tau_prob = 1 + sum_k prod_{i<=k} accept_rate_i * eval_mask_i, tau_greedy likewise,

@@ -9,7 +9,7 @@ wiring would be spread over callbacks whose signatures changed between 5.17 and 
 all input preparation (generation config, logits processors and warpers, stopping criteria, the cache, input
 expansion for `num_return_sequences`), see `integration.py`, so the HF-facing behaviour is the same.
 
-A round, for the R requests still running (ALGORITHMS.md, "Speculative decoding"):
+A round, for the R requests still running (docs/ALGORITHMS.md, "Speculative decoding"):
 1. the draft proposes n tokens after each request's anchor (its last committed token, not yet seen by the
    target) with the exact distributions q it sampled from, processed by generate()'s own logits processors;
 2. the scheduler picks each row's verified prefix l_r (whole block, threshold, or Algorithm 1), never more

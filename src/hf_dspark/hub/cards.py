@@ -244,19 +244,6 @@ def _accept_cells(rates, positions: int) -> list[str]:
     return [_fmt(rates[k] if k < len(rates) else None) for k in range(positions)]
 
 
-def _head_rows(config: DraftConfig) -> list[tuple[str, str]]:
-    if config.model_type == "dspark":
-        markov = f"{config.markov_head_type}, rank {config.markov_rank}" if config.markov_rank else "none"
-        conf = "none"
-        if config.enable_confidence_head:
-            conf = "on" + (" (with Markov features)" if config.confidence_head_with_markov else "")
-            conf += ", STS-calibrated" if config.confidence_temperatures else ", not calibrated"
-        return [("Markov head", markov), ("confidence head", conf), ("mask token id", str(config.mask_token_id))]
-    if config.model_type == "dflash":
-        return [("mask token id", str(config.mask_token_id))]
-    return [("norm_before_residual", str(config.norm_before_residual))]
-
-
 def _serve_sections(config: DraftConfig, draft, repo_id: str):
     """(supported, refused) export formats with the serve command or the reason."""
     from .convert import unlisted_format_reason
@@ -394,7 +381,7 @@ def generate_model_card(
         "block_label": f"{drafter.block_label} (draft tokens per round)",
         "block_size": config.num_draft_tokens,
         "target_layer_ids": list(config.target_layer_ids or []),
-        "head_rows": _head_rows(config),
+        "head_rows": config.card_rows(),
         "params_trainable": trained,
         "params_frozen": frozen,
         "weights_dtype": dtype,

@@ -86,6 +86,10 @@ class DraftConfig(PreTrainedConfig):
     def num_context_features(self) -> int:
         return len(self.target_layer_ids or [])
 
+    def card_rows(self) -> list[tuple[str, str]]:
+        """(label, value) rows of the settings that set this drafter apart, for its model card."""
+        return []
+
     def check_draft_fields(self) -> None:
         """Raise a ValueError that names the fix for any inconsistent field."""
         if self.num_hidden_layers < 1:

@@ -1,4 +1,4 @@
-"""Training objectives of the drafters (ALGORITHMS.md, "DSpark / DFlash loss" and "Eagle3").
+"""Training objectives of the drafters (docs/ALGORITHMS.md, "DSpark / DFlash loss" and "Eagle3").
 
 Block drafters (DSpark, DFlash), per valid slot k of a block, w_k = exp(-(k-1)/loss_decay_gamma):
     CE  = -log p_d(x*_k)                  p_d = softmax(softcap(lm_head(h_k) + W2 z_k))  (teacher forced)

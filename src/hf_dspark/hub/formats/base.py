@@ -115,7 +115,8 @@ class DraftFormat:
         config[EXPORT_META_KEY] = export_meta(draft, self.name, convention, lost)
         config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
         result = ExportResult(Path(output_dir), self.name, architecture, convention, serve_command, list(notes or []))
-        write_folder(output_dir, config, tensors, notes_readme(result, draft, consumer=self.consumer), overwrite=overwrite)
+        readme = notes_readme(result, draft, consumer=self.consumer)
+        write_folder(output_dir, config, tensors, readme, overwrite=overwrite)
         return result
 
 
