@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 from transformers import AutoConfig, AutoModel
 
+import hf_dspark.models
 from conftest import make_tiny_target
 from generation_utils import make_draft
 from hf_dspark.hub import FORMATS, export_draft
@@ -25,6 +26,9 @@ def test_each_entry_is_consistent_with_the_code_it_names(name):
     assert AutoConfig.for_model(name).__class__ is spec.config_class
     assert AutoModel._model_mapping[spec.config_class] is spec.model_class
     assert drafter_classes(name.upper()) == (spec.config_class, spec.model_class)
+    # Published repos' remote-code shim imports both classes from hf_dspark.models, the stable public path.
+    assert getattr(hf_dspark.models, spec.config_class.__name__) is spec.config_class
+    assert getattr(hf_dspark.models, spec.model_class.__name__) is spec.model_class
 
 
 def test_unknown_drafter_lists_the_valid_names():

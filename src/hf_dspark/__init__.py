@@ -39,7 +39,6 @@ from .models import (
     drafter_spec,
     target_features,
 )
-
 from .models.modeling_draft import bind_hub_services
 
 __version__ = "0.1.0"

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..metrics import calibration_report, fit_sts_temperatures, slot_calibration_data
 from ..data.prompts import encode_chat_prompts, left_pad
+from ..metrics import calibration_report, fit_sts_temperatures, slot_calibration_data
 
 
 @dataclass
