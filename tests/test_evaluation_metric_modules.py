@@ -1,4 +1,4 @@
-"""The local `evaluate` metric modules give exactly the numbers of `hf_dspark.evaluation.metrics`."""
+"""The local `evaluate` metric modules give exactly the numbers of `hf_dspark.metrics`."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 
 from hf_dspark.evaluation import load_metric
 from hf_dspark.evaluation.evaluate_metrics import metric_path
-from hf_dspark.evaluation.metrics import AcceptanceStats, calibration_report, slot_calibration_data
+from hf_dspark.metrics import AcceptanceStats, calibration_report, slot_calibration_data
 
 
 def same(a, b):

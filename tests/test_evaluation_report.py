@@ -10,7 +10,7 @@ from conftest import make_tiny_target
 
 from hf_dspark import DFlashModel, DSparkModel
 from hf_dspark.evaluation.calibration import calibration_summary, mean_over_slots, uncalibrate_records
-from hf_dspark.evaluation.metrics import AcceptanceStats, calibration_report, slot_calibration_data
+from hf_dspark.metrics import AcceptanceStats, calibration_report, slot_calibration_data
 from hf_dspark.evaluation.report import ROW_KEYS, results_markdown, save_results
 from hf_dspark.evaluation.runner import (
     CallStats,
@@ -217,7 +217,7 @@ def test_count_new_tokens_stops_at_the_first_eos():
 
 def test_fast_sts_fit_equals_the_grid_search_definition():
     """fit_sts_temperatures = per slot, the grid value minimizing the survival ECE given the earlier slots."""
-    from hf_dspark.evaluation.metrics import expected_calibration_error, fit_sts_temperatures
+    from hf_dspark.metrics import expected_calibration_error, fit_sts_temperatures
 
     rng = np.random.default_rng(4)
     records = []

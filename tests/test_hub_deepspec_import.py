@@ -15,7 +15,7 @@ from fake_hub import fake_hub  # noqa: F401  (fixture)
 from safetensors.torch import load_file, save_file
 
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
-from hf_dspark.generation.sampling import TokenSampler
+from hf_dspark.sampling import TokenSampler
 from hf_dspark.hub import load_draft
 
 VOCAB, D, HEADS, KV, HEAD_DIM, INTER, RANK = 96, 32, 4, 2, 16, 64, 8
@@ -200,15 +200,18 @@ def test_deepspec_eagle3_folder_loads(tmp_path):
     assert cfg.use_qk_norm and not cfg.norm_before_residual
 
 
-def test_from_pretrained_converts_deepspec_folders(tmp_path):
-    """Needs DraftPreTrainedModel.from_pretrained to route foreign layouts to hf_dspark.hub.convert."""
+def test_from_pretrained_still_converts_deepspec_folders_with_a_deprecation(tmp_path):
+    """from_pretrained on a foreign layout converts through the hub services the package root binds, and warns
+    that load_draft is the entry for foreign layouts."""
     folder = deepspec_block_folder(tmp_path / "dspark")
-    draft = DSparkModel.from_pretrained(folder, dtype=torch.float32)
+    with pytest.warns(FutureWarning, match=r"hf_dspark\.load_draft"):
+        draft = DSparkModel.from_pretrained(folder, dtype=torch.float32)
     assert type(draft) is DSparkModel and draft.fc.weight.dtype == torch.float32
     assert torch.equal(draft.fc.weight, load_file(str(folder / "model.safetensors"))["fc.weight"].float())
     dflash = deepspec_block_folder(tmp_path / "dflash", markov_rank=0, confidence=False)
-    assert type(DSparkModel.from_pretrained(dflash)) is DFlashModel  # a DFlash draft is a DSparkModel subclass
-    with pytest.raises(ValueError, match="DSparkModel.from_pretrained"):
+    with pytest.warns(FutureWarning):
+        assert type(DSparkModel.from_pretrained(dflash)) is DFlashModel  # a DFlash draft is a DSparkModel subclass
+    with pytest.warns(FutureWarning), pytest.raises(ValueError, match=r"not a Eagle3Model: load it with hf_dspark"):
         Eagle3Model.from_pretrained(folder)
 
 

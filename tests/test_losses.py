@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import make_tiny_target
 
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
-from hf_dspark.models.target import target_features
+from hf_dspark.target import target_features
 from hf_dspark.training.losses import (
     block_draft_loss,
     chunk_rows,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_dspark.evaluation.metrics import (
+from hf_dspark.metrics import (
     AcceptanceStats,
     auroc,
     brier_score,

@@ -6,7 +6,7 @@ from transformers import AutoConfig, AutoModel
 
 import hf_dspark
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model, default_target_layer_ids, target_features
-from hf_dspark.models.target import TargetSpec
+from hf_dspark.target import TargetSpec
 
 from conftest import FAMILIES, make_tiny_target
 

@@ -22,7 +22,7 @@ from hf_dspark.hub.peft_utils import (
     merge_lora,
     save_lora_adapter,
 )
-from hf_dspark.models.target import target_features
+from hf_dspark.target import target_features
 from hf_dspark.training import DraftTrainer, DraftTrainingArguments
 
 

@@ -20,6 +20,7 @@ from .generation import (
 )
 from .models import (
     DRAFTERS,
+    DrafterSpec,
     BlockDraftOutput,
     DFlashConfig,
     DFlashModel,
@@ -35,10 +36,32 @@ from .models import (
     TargetSpec,
     default_target_layer_ids,
     drafter_classes,
+    drafter_spec,
     target_features,
 )
+from .models.modeling_draft import bind_hub_services
 
 __version__ = "0.1.0"
+
+
+def _hub_function(name: str):
+    """`hf_dspark.hub.<name>`, imported on first call (the hub stage stays unloaded until a draft uses it)."""
+
+    def call(*args, **kwargs):
+        from . import hub
+
+        return getattr(hub, name)(*args, **kwargs)
+
+    return call
+
+
+# Draft.from_pretrained (foreign layouts, deprecated) and draft.push_to_hub are hub services; the models layer
+# sits below hub and receives them here rather than importing upward.
+bind_hub_services(
+    foreign_format=_hub_function("foreign_format"),
+    load_foreign_draft=_hub_function("load_foreign_draft"),
+    push_draft=_hub_function("push_draft"),
+)
 
 # name -> stage module, imported lazily (keeps `import hf_dspark` light: no Trainer, datasets or matplotlib).
 _LAZY = {
@@ -68,7 +91,9 @@ __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "DRAFTERS",
+    "DrafterSpec",
     "drafter_classes",
+    "drafter_spec",
     "DraftConfig",
     "DraftPreTrainedModel",
     "DraftProposal",

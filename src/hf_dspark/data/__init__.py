@@ -20,7 +20,8 @@ _EXPORTS = {
         ["count_new_tokens", "encode_chat_prompts", "eos_token_ids", "first_turns", "left_pad", "new_token_lengths"],
         ".prompts",
     ),
-    **dict.fromkeys(["read_prompts", "regenerate_responses"], ".regenerate"),
+    "read_prompts": ".prompts",
+    "regenerate_responses": ".regenerate",
 }  # fmt: skip
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 __all__ = list(_EXPORTS)

@@ -37,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from ..models.target import (
+from ..target import (
     TargetSpec,
     target_config_hash,
     target_features,

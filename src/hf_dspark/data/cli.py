@@ -93,7 +93,7 @@ def run_regenerate(args) -> int:
 
 
 def run_build_cache(args) -> int:
-    from ..models.target import TargetSpec, default_target_layer_ids
+    from ..target import TargetSpec, default_target_layer_ids
     from .cache import build_target_cache, distributed_state
     from .chat import load_conversations, tokenize_conversations
 

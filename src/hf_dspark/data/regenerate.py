@@ -7,65 +7,18 @@ resumable: ids already in the file are skipped, and a last line cut off by a cra
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 from transformers import GenerationConfig
 
-from .prompts import eos_token_ids, new_token_lengths
+from .prompts import Prompt, eos_token_ids, new_token_lengths, read_prompts
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Prompt:
-    id: str
-    turns: list[str]
-    extra: dict[str, Any] = field(default_factory=dict)  # carried into the output row (source, domain, ...)
-
-
-def read_prompts(prompts: str | Path | Iterable[dict]) -> list[Prompt]:
-    """Prompts from a JSONL(.gz) file or an iterable of dicts with a `turns` list (and optionally an `id`)."""
-    where = str(prompts) if isinstance(prompts, (str, Path)) else "the prompt list"
-    if isinstance(prompts, (str, Path)):
-        path = Path(prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file {path} does not exist")
-        opener = gzip.open if path.name.endswith(".gz") else open
-        rows = []
-        with opener(path, "rt", encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((line_no, json.loads(line)))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}, line {line_no}: not valid JSON ({err})") from None
-    else:
-        rows = list(enumerate(prompts, 1))
-    if not rows:
-        raise ValueError(f"{where} contains no prompts: expected one {{'turns': [str, ...]}} object per line")
-    out, seen = [], set()
-    for index, (line_no, row) in enumerate(rows):
-        turns = row.get("turns") if isinstance(row, dict) else None
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise ValueError(
-                f"{where}, row {line_no}: expected {{'turns': [non-empty str, ...]}}, got "
-                f"{str(row)[:120]!r}"
-            )
-        pid = str(row.get("id", index))
-        if pid in seen:
-            raise ValueError(f"{where}, row {line_no}: duplicate id {pid!r}; ids must be unique to resume safely")
-        seen.add(pid)
-        extra = {k: v for k, v in row.items() if k not in ("id", "turns", "messages")}
-        out.append(Prompt(pid, list(turns), extra))
-    return out
 
 
 def finished_ids(output_file: str | Path) -> set[str]:

@@ -1,11 +1,11 @@
-"""Evaluation of drafts: the one definition of the metrics (`metrics`), per-slot calibration (`calibration`),
+"""Evaluation of drafts: per-slot calibration (`calibration`),
 the decoding runs (`runner.evaluate_drafts`), reports and plots (`report`, `plots`), `evaluate` metric modules
 (`evaluate_metrics`) and the `hf-dspark eval` command (`cli`)."""
 
 from .._lazy import lazy_attributes
 
 _EXPORTS = {
-    "AcceptanceStats": ".metrics",
+    "AcceptanceStats": "hf_dspark.metrics",
     "calibration_summary": ".calibration",
     "load_metric": ".evaluate_metrics",
     "save_results": ".report",

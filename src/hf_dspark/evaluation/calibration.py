@@ -1,6 +1,6 @@
 """Per-slot confidence calibration of a draft's rollouts, before and after Sequential Temperature Scaling.
 
-Every number comes from `hf_dspark.evaluation.metrics` (ECE, AUROC, Brier, reliability curves, STS fitting);
+Every number comes from `hf_dspark.metrics` (ECE, AUROC, Brier, reliability curves, STS fitting);
 this module only decides which rollouts are scored with which temperatures:
 
 - `raw`: the confidence head's own c_k = sigmoid(logit_k) (temperature 1).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import calibration_report, fit_sts_temperatures, reliability_curve, slot_calibration_data
+from ..metrics import calibration_report, fit_sts_temperatures, reliability_curve, slot_calibration_data
 
 KINDS = ("conditional", "survival")
 

@@ -37,7 +37,7 @@ def plot_acceptance_by_position(rows: list[dict], path: str | Path, title: str |
     """Conditional acceptance rate by draft position; rows of one temperature. Rows that carry
     `accept_count_by_position` (rounds behind each rate) get 95% Wilson intervals, and positions with fewer than
     FEW_ROUNDS rounds are drawn hollow."""
-    from .metrics import wilson_interval
+    from ..metrics import wilson_interval
 
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     drafters = list(dict.fromkeys(r["drafter"] for r in rows))

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .calibration import calibration_summary, uncalibrate_records
-from .metrics import AcceptanceStats
+from ..metrics import AcceptanceStats
 from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad
 from ..resources import load_target

@@ -12,10 +12,10 @@ tables), rejection (the one acceptance routine), stats; calibration fits STS tem
 `hf-dspark calibrate` and `hf-dspark profile-sps`.
 """
 
+from ..sampling import TokenSampler, sample_from
 from .calibration import CalibrationReport, calibrate_confidence
 from .integration import install, is_installed, uninstall
 from .rejection import VerifyResult, verify_block
-from .sampling import TokenSampler, sample_from
 from .scheduler import SPSTable, load_or_profile_sps, prefix_schedule, profile_sps, threshold_schedule
 from .speculative import SpeculativeConfig, check_draft_for_target, speculative_generate
 from .stats import SpeculativeStats

@@ -2,7 +2,7 @@
 
 `calibrate_confidence(draft, target, tokenizer, prompts)` runs speculative rollouts of the target on the prompts
 with whole blocks verified (so every slot gets an outcome), records each round's raw confidences and how many
-slots were accepted, fits one temperature per slot with `hf_dspark.evaluation.metrics.fit_sts_temperatures`
+slots were accepted, fits one temperature per slot with `hf_dspark.metrics.fit_sts_temperatures`
 (left to right, minimizing the ECE of the prefix survival prod_{i<=k} sigmoid(logit_i / T_i)), stores them in
 `draft.config.confidence_temperatures` (so `save_pretrained` / `from_pretrained` keep them and
 `DraftProposal.confidences` applies them) and returns a `CalibrationReport` with ECE/AUROC/Brier before and
@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..evaluation.metrics import calibration_report, fit_sts_temperatures, slot_calibration_data
 from ..data.prompts import encode_chat_prompts, left_pad
+from ..metrics import calibration_report, fit_sts_temperatures, slot_calibration_data
 
 
 @dataclass

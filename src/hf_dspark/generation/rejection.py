@@ -1,4 +1,4 @@
-"""The one rejection-sampling routine of hf_dspark (ALGORITHMS.md, "Speculative decoding", step 5).
+"""The one rejection-sampling routine of hf_dspark (docs/ALGORITHMS.md, "Speculative decoding", step 5).
 
 Every decoding path (batch 1, batched, calibration rollouts, benchmarks) verifies draft blocks through
 `verify_block`, so losslessness is argued once:

@@ -1,4 +1,4 @@
-"""How many draft tokens each request sends to verification (ALGORITHMS.md, "Confidence-scheduled verification").
+"""How many draft tokens each request sends to verification (docs/ALGORITHMS.md, "Confidence-scheduled verification").
 
 Three schedules, selected by the generation-config field `dspark_schedule`:
 

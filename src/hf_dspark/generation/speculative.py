@@ -9,7 +9,7 @@ wiring would be spread over callbacks whose signatures changed between 5.17 and 
 all input preparation (generation config, logits processors and warpers, stopping criteria, the cache, input
 expansion for `num_return_sequences`), see `integration.py`, so the HF-facing behaviour is the same.
 
-A round, for the R requests still running (ALGORITHMS.md, "Speculative decoding"):
+A round, for the R requests still running (docs/ALGORITHMS.md, "Speculative decoding"):
 1. the draft proposes n tokens after each request's anchor (its last committed token, not yet seen by the
    target) with the exact distributions q it sampled from, processed by generate()'s own logits processors;
 2. the scheduler picks each row's verified prefix l_r (whole block, threshold, or Algorithm 1), never more
@@ -73,9 +73,9 @@ from transformers import DynamicCache
 from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from ..models.target import TargetFeatureHooks
+from ..sampling import TokenSampler, apply_logits_processors
+from ..target import TargetFeatureHooks
 from .rejection import verify_block
-from .sampling import TokenSampler, apply_logits_processors
 from .scheduler import (
     SCHEDULES,
     SPSTable,
@@ -195,13 +195,13 @@ def check_draft_for_target(target, draft) -> None:
 
 
 def _num_draft_tokens(draft, config: SpeculativeConfig) -> int:
-    from ..models.eagle3 import Eagle3Model
+    from ..models import drafter_spec
 
     block = draft.config.num_draft_tokens
     if config.block_size is None:
         return int(block)
     n = int(config.block_size)
-    if not isinstance(draft, Eagle3Model) and n > block:
+    if not drafter_spec(draft.config.model_type).autoregressive and n > block:
         raise ValueError(
             f"dspark_block_size / num_assistant_tokens = {n} exceeds the draft's block_size {block}: a block drafter "
             f"proposes at most block_size tokens per round (use <= {block}, or a draft trained with a larger block)"

@@ -1,5 +1,5 @@
 """Per-call statistics of speculative generate(): acceptance (the one definition in
-`hf_dspark.evaluation.metrics.AcceptanceStats`) plus where the time went.
+`hf_dspark.metrics.AcceptanceStats`) plus where the time went.
 
 After every `target.generate(..., assistant_model=draft)` the statistics are `draft.last_generation_stats`, and
 with `return_dict_in_generate=True` also `output.speculative_stats` (an extra attribute: the output keeps its
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..evaluation.metrics import AcceptanceStats
+from ..metrics import AcceptanceStats
 
 
 @dataclass

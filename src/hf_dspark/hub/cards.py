@@ -35,22 +35,6 @@ PLOT_FILE = "assets/acceptance_by_position.png"
 PIPELINE_TAG = "text-generation"
 LIBRARY_NAME = "transformers"
 
-_DRAFTER_NAMES = {"dspark": "DSpark", "dflash": "DFlash", "eagle3": "Eagle3"}
-_DRAFTER_SUMMARIES = {
-    "dspark": (
-        "DSpark drafts a whole block in one parallel forward over the target's hidden states, then a light "
-        "Markov head samples the block left to right; a confidence head predicts how far the block will be "
-        "accepted."
-    ),
-    "dflash": (
-        "DFlash drafts a whole block in one parallel forward over the target's hidden states (the DSpark "
-        "backbone without Markov or confidence head)."
-    ),
-    "eagle3": (
-        "Eagle3 drafts one token per forward of a single decoder layer that reads the target's hidden states and "
-        "its own previous output (trained with training-time test)."
-    ),
-}
 # Training settings worth a row in the card, in display order.
 _TRAINING_KEYS = (
     "learning_rate",
@@ -90,7 +74,7 @@ def _load_config(draft_or_dir) -> tuple[DraftConfig, Path | None, DraftPreTraine
             f"{folder} holds a {model_type!r} model, not an hf_dspark draft ({', '.join(DRAFTERS)}); convert foreign "
             "checkpoints first (hf_dspark.hub.load_draft(path).save_pretrained(dir))"
         )
-    return DRAFTERS[model_type][0].from_pretrained(folder), folder, None
+    return DRAFTERS[model_type].config_class.from_pretrained(folder), folder, None
 
 
 def _parameter_counts(folder: Path | None, model: DraftPreTrainedModel | None):
@@ -260,27 +244,15 @@ def _accept_cells(rates, positions: int) -> list[str]:
     return [_fmt(rates[k] if k < len(rates) else None) for k in range(positions)]
 
 
-def _head_rows(config: DraftConfig) -> list[tuple[str, str]]:
-    if config.model_type == "dspark":
-        markov = f"{config.markov_head_type}, rank {config.markov_rank}" if config.markov_rank else "none"
-        conf = "none"
-        if config.enable_confidence_head:
-            conf = "on" + (" (with Markov features)" if config.confidence_head_with_markov else "")
-            conf += ", STS-calibrated" if config.confidence_temperatures else ", not calibrated"
-        return [("Markov head", markov), ("confidence head", conf), ("mask token id", str(config.mask_token_id))]
-    if config.model_type == "dflash":
-        return [("mask token id", str(config.mask_token_id))]
-    return [("norm_before_residual", str(config.norm_before_residual))]
-
-
 def _serve_sections(config: DraftConfig, draft, repo_id: str):
     """(supported, refused) export formats with the serve command or the reason."""
+    from .convert import unlisted_format_reason
     from .formats import FORMATS
 
     probe = draft if draft is not None else _ConfigOnly(config)
     supported, refused = [], []
     for name, fmt in FORMATS.items():
-        reason = fmt.why_not(probe)
+        reason = unlisted_format_reason(fmt, config) or fmt.why_not(probe)
         if name == "speculators" and reason is None and not target_hub_id(config.target_name_or_path):
             reason = "needs the target's Hub id: pass --verifier org/name to the export"
         if reason is not None:
@@ -344,6 +316,7 @@ def generate_model_card(
     from huggingface_hub import ModelCard
 
     config, folder, model = _load_config(draft_or_dir)
+    drafter = DRAFTERS[config.model_type]
     rows, source = load_eval_rows(eval_results)
     rows = rows_for_drafter(rows, config.model_type)
     args = _as_dict(training_args)
@@ -354,7 +327,7 @@ def generate_model_card(
         if plot_path is None and folder is not None:
             plot_path = folder / PLOT_FILE
         if plot_path is not None:
-            title = f"{_DRAFTER_NAMES[config.model_type]} draft: acceptance by position"
+            title = f"{drafter.display_name} draft: acceptance by position"
             plot_path = render_acceptance_plot(rows, plot_path, title)
             plot_file = os.path.relpath(plot_path, folder) if folder is not None else Path(plot_path).name
             plot_file = Path(plot_file).as_posix()
@@ -396,19 +369,19 @@ def generate_model_card(
     )
     context = {
         "card_data": metadata.to_yaml(),
-        "title": f"{_DRAFTER_NAMES[config.model_type]} draft for {target_name}",
-        "drafter_name": _DRAFTER_NAMES[config.model_type],
-        "drafter_article": "An" if config.model_type == "eagle3" else "A",
-        "drafter_summary": _DRAFTER_SUMMARIES[config.model_type],
+        "title": f"{drafter.display_name} draft for {target_name}",
+        "drafter_name": drafter.display_name,
+        "drafter_article": "An" if drafter.display_name[0] in "AEIOU" else "A",
+        "drafter_summary": drafter.summary,
         "target_link": target_link,
         "target_name": target_name,
         "target_model_type": config.target_model_type or "unknown type",
         "num_target_layers": config.num_target_layers or "?",
         "num_hidden_layers": config.num_hidden_layers,
-        "block_label": ("TTT length" if config.model_type == "eagle3" else "block size") + " (draft tokens per round)",
+        "block_label": f"{drafter.block_label} (draft tokens per round)",
         "block_size": config.num_draft_tokens,
         "target_layer_ids": list(config.target_layer_ids or []),
-        "head_rows": _head_rows(config),
+        "head_rows": config.card_rows(),
         "params_trainable": trained,
         "params_frozen": frozen,
         "weights_dtype": dtype,

@@ -26,6 +26,8 @@ def _card_kwargs(args) -> dict:
 
 
 def register(subparsers) -> None:
+    from .formats import FORMATS
+
     card = subparsers.add_parser(
         "card",
         help="write the model card (README.md) of a saved draft",
@@ -45,7 +47,7 @@ def register(subparsers) -> None:
         "target-layer index convention and the serve command.",
     )
     export.add_argument("--draft", required=True, help="draft folder or Hub id (hf_dspark or an importable layout)")
-    export.add_argument("--format", required=True, choices=("vllm", "sglang", "speculators", "deepspec", "dflash"))
+    export.add_argument("--format", required=True, choices=tuple(FORMATS))
     export.add_argument("--output_dir", required=True)
     export.add_argument("--dtype", default=None, help="cast weights (bf16, fp16, fp32); default keeps them")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output_dir")

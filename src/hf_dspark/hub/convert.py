@@ -7,8 +7,8 @@
 `from_pretrained`; a foreign layout is detected from its config (hub/formats), its tensors are checked against
 the shapes its config implies (a key the consumer needs but that is missing, or one it would skip, is an
 error) and renamed, and the draft is built on the meta device and filled with the loaded tensors (no random
-initialisation, no second copy). `DraftPreTrainedModel.from_pretrained` reaches the same code through
-`foreign_format` + `load_foreign_draft`, so `DSparkModel.from_pretrained(deepspec_dir)` works too.
+initialisation, no second copy). `DraftPreTrainedModel.from_pretrained` still reaches the same code through
+`foreign_format` + `load_foreign_draft`, with a FutureWarning: `load_draft` is the entry for foreign layouts.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..models import DRAFTERS, DraftPreTrainedModel
-from .formats import ExportResult, ForeignCheckpointError, detect_format, get_format
+from .formats import ExportError, ExportResult, ForeignCheckpointError, detect_format, get_format
 from .peft_utils import refuse_attached_lora
 from ..resources import resolve_dtype
 
@@ -56,7 +56,20 @@ def export_draft(
             f"export_draft needs an hf_dspark draft model or a folder holding one, got {type(draft).__name__}"
         )
     refuse_attached_lora(draft, "export it")
+    reason = unlisted_format_reason(fmt, draft.config)
+    if reason is not None:
+        raise ExportError(f"cannot export this {draft.config.model_type} draft as {fmt.name!r}: {reason}")
     return fmt.export(draft, Path(output_dir), dtype=resolve_dtype(dtype), overwrite=overwrite, **options)
+
+
+def unlisted_format_reason(fmt, config) -> str | None:
+    """Why `fmt` refuses a drafter whose registry entry does not list it (None when it does: the format's own
+    checks decide)."""
+    spec = DRAFTERS.get(config.model_type)
+    if spec is not None and fmt.name in spec.export_formats:
+        return None
+    formats = ", ".join(spec.export_formats) if spec is not None and spec.export_formats else "none"
+    return f"the {fmt.name} exporter does not handle {config.model_type} drafts (exportable as: {formats})"
 
 
 # -- reading folders and Hub repos --------------------------------------------------------------------------
@@ -177,11 +190,11 @@ def load_foreign_draft(
     config.check_draft_fields()
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
-    model_cls = DRAFTERS[config.model_type][1]
+    model_cls = DRAFTERS[config.model_type].model_class
     if expected_class is not None and not issubclass(model_cls, expected_class):
         raise ValueError(
-            f"{path_or_repo} holds a {config.model_type} draft ({fmt.name} layout): load it with "
-            f"{model_cls.__name__}.from_pretrained or hf_dspark.hub.load_draft, not {expected_class.__name__}"
+            f"{path_or_repo} holds a {config.model_type} draft ({fmt.name} layout), not a "
+            f"{expected_class.__name__}: load it with hf_dspark.load_draft(path)"
         )
     model = build_draft(model_cls, config, state, str(path_or_repo))
     dtype = resolve_dtype(dtype if dtype is not None else torch_dtype)
@@ -244,7 +257,7 @@ def load_draft(path_or_repo, *, target=None, **kwargs) -> DraftPreTrainedModel:
     config = read_config(path_or_repo, **hub_kwargs)
     model_type = config.get("model_type")
     if model_type in DRAFTERS:
-        return DRAFTERS[model_type][1].from_pretrained(path_or_repo, **kwargs)
+        return DRAFTERS[model_type].model_class.from_pretrained(path_or_repo, **kwargs)
     if detect_format(config) is not None:
         return load_foreign_draft(path_or_repo, target=target, **kwargs)
     raise ValueError(
@@ -262,4 +275,5 @@ __all__ = [
     "read_config",
     "read_safetensors",
     "resolve_dtype",
+    "unlisted_format_reason",
 ]

@@ -5,7 +5,7 @@ them), a model card (cards.py), the evaluation JSON and its acceptance plot when
 remote-code shim. `push_target_cache(cache_dir, repo_id)` publishes a target cache as a `datasets` dataset.
 
 Remote code. The draft classes live in the `hf_dspark` package, whose modules import each other with nested
-relative imports (`from ..backbone import ...`, `from ...generation.sampling import ...`); transformers' dynamic
+relative imports (`from ..backbone import ...`, `from ...sampling import ...`); transformers' dynamic
 module loader only resolves same-folder `from .x import` files, so the package cannot be shipped as is, and a
 flattened copy generated at push time would fork the code (fixes would never reach published drafts) while
 still being useless without the package: `generate(assistant_model=draft)` needs hf_dspark's decoding loop.
@@ -30,9 +30,6 @@ from .peft_utils import refuse_attached_lora
 REMOTE_CODE_FILE = "hf_dspark_remote.py"
 EVAL_RESULTS_FILE = "eval_results.json"
 CACHE_MANIFEST_FILE = "hf_dspark_target_cache.json"
-
-_CLASS_NAMES = {"dspark": ("DSparkConfig", "DSparkModel"), "dflash": ("DFlashConfig", "DFlashModel"),
-                "eagle3": ("Eagle3Config", "Eagle3Model")}
 
 REMOTE_CODE = '''"""Lets `AutoModel.from_pretrained(<this repo>, trust_remote_code=True)` load this hf_dspark draft.
 
@@ -121,7 +118,8 @@ def stage_draft(
             render_acceptance_plot(mine, folder / PLOT_FILE, f"{model_type} draft: acceptance by position")
 
     if remote_code:
-        config_class, model_class = _CLASS_NAMES[model_type]
+        spec = DRAFTERS[model_type]
+        config_class, model_class = spec.config_class.__name__, spec.model_class.__name__
         (folder / REMOTE_CODE_FILE).write_text(
             REMOTE_CODE.format(config_class=config_class, model_class=model_class), encoding="utf-8"
         )

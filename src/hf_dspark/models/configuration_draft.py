@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from .target import validate_layer_ids
+from ..target import validate_layer_ids
 
 
 class DraftConfig(PreTrainedConfig):
@@ -85,6 +85,10 @@ class DraftConfig(PreTrainedConfig):
     @property
     def num_context_features(self) -> int:
         return len(self.target_layer_ids or [])
+
+    def card_rows(self) -> list[tuple[str, str]]:
+        """(label, value) rows of the settings that set this drafter apart, for its model card."""
+        return []
 
     def check_draft_fields(self) -> None:
         """Raise a ValueError that names the fix for any inconsistent field."""

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,21 +20,37 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import ModelOutput
 
-from ..generation.sampling import TokenSampler
-from .backbone import DraftRMSNorm, DraftRotary, check_feature_width, softcap
-from .configuration_draft import DraftConfig
-from .context_cache import DraftContextCache, pack_left
-from .target import (
+from ..sampling import TokenSampler
+from ..target import (
     TargetSpec,
     default_target_layer_ids,
     target_config_hash,
     target_weights_fingerprint,
     validate_layer_ids,
 )
+from .backbone import DraftRMSNorm, DraftRotary, check_feature_width, softcap
+from .configuration_draft import DraftConfig
+from .context_cache import DraftContextCache, pack_left
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_TARGET_FEATURES = 5
+
+# Hub functions the model methods offer (foreign-checkpoint loading, card-writing push). The hub package sits a
+# layer above this one, so the package root binds them here (`bind_hub_services`) instead of this module
+# importing upward (docs/ARCHITECTURE.md).
+_hub_services: dict[str, Callable] = {}
+
+
+def bind_hub_services(*, foreign_format: Callable, load_foreign_draft: Callable, push_draft: Callable) -> None:
+    _hub_services.update(foreign_format=foreign_format, load_foreign_draft=load_foreign_draft, push_draft=push_draft)
+
+
+def _hub_service(name: str) -> Callable:
+    service = _hub_services.get(name)
+    if service is None:
+        raise RuntimeError(f"{name} comes from hf_dspark.hub, which `import hf_dspark` binds: import hf_dspark first")
+    return service
 
 
 @dataclass
@@ -56,7 +74,7 @@ class DraftPreTrainedModel(PreTrainedModel):
     base_model_prefix = ""
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
-    _no_split_modules = ["DraftDecoderLayer", "Eagle3DecoderLayer"]
+    _no_split_modules = ["DraftDecoderLayer"]  # a drafter with its own layer class overrides this
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_flash_attn = False
@@ -84,20 +102,24 @@ class DraftPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        # Checkpoints written by other tools (DeepSpec, vLLM/SGLang Eagle3, speculators) are converted on load.
-        from ..hub.convert import foreign_format, load_foreign_draft
-
-        if not args and foreign_format(pretrained_model_name_or_path, **kwargs) is not None:
-            return load_foreign_draft(pretrained_model_name_or_path, expected_class=cls, **kwargs)
+        foreign_format = _hub_services.get("foreign_format")
+        fmt = None if args or foreign_format is None else foreign_format(pretrained_model_name_or_path, **kwargs)
+        if fmt is not None:
+            warnings.warn(
+                f"{cls.__name__}.from_pretrained converted a {fmt} checkpoint: load checkpoints written by other "
+                "tools with hf_dspark.load_draft(path) (from_pretrained will read hf_dspark folders only in a future "
+                "release)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            return _hub_service("load_foreign_draft")(pretrained_model_name_or_path, expected_class=cls, **kwargs)
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model.freeze_target_io()  # loading replaces parameters, which resets requires_grad
         return model
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Publish weights, config, model card and the remote-code shim (see `hf_dspark.hub.push_draft`)."""
-        from ..hub.push import push_draft
-
-        return push_draft(self, repo_id, **kwargs)
+        return _hub_service("push_draft")(self, repo_id, **kwargs)
 
     def freeze_target_io(self) -> None:
         """Embeddings and lm_head belong to the target: never trained."""

@@ -1,4 +1,4 @@
-"""Training objectives of the drafters (ALGORITHMS.md, "DSpark / DFlash loss" and "Eagle3").
+"""Training objectives of the drafters (docs/ALGORITHMS.md, "DSpark / DFlash loss" and "Eagle3").
 
 Block drafters (DSpark, DFlash), per valid slot k of a block, w_k = exp(-(k-1)/loss_decay_gamma):
     CE  = -log p_d(x*_k)                  p_d = softmax(softcap(lm_head(h_k) + W2 z_k))  (teacher forced)
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..evaluation.metrics import training_acceptance_estimates
+from ..metrics import training_acceptance_estimates
 
 logger = logging.getLogger(__name__)
 
@@ -416,21 +416,22 @@ def eagle3_loss(draft, outputs, *, chunk_elements: int | None = None, compile: b
     return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
 
 
-def draft_loss(draft, outputs, **kwargs) -> DraftLossOutput:
-    """The objective that matches the draft's training output (block drafters or Eagle3)."""
-    from ..models import BlockDraftOutput, Eagle3Output
+# Training objectives by the name a drafter's registry entry gives (DrafterSpec.objective).
+OBJECTIVES = {"block": block_draft_loss, "eagle3": eagle3_loss}
 
-    if isinstance(outputs, BlockDraftOutput):
-        return block_draft_loss(draft, outputs, **kwargs)
-    if isinstance(outputs, Eagle3Output):
-        return eagle3_loss(draft, outputs, **kwargs)
-    raise TypeError(f"no objective for {type(outputs).__name__}: expected BlockDraftOutput or Eagle3Output")
+
+def draft_loss(draft, outputs, **kwargs) -> DraftLossOutput:
+    """The objective the draft's registry entry names (block drafters or Eagle3)."""
+    from ..models import drafter_spec
+
+    return OBJECTIVES[drafter_spec(draft.config.model_type).objective](draft, outputs, **kwargs)
 
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "DraftLossOutput",
     "HeadStats",
+    "OBJECTIVES",
     "block_draft_loss",
     "chunk_rows",
     "draft_loss",

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from transformers import Trainer, set_seed
 
-from ..models import DraftPreTrainedModel, drafter_classes
+from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes
 from ..models.anchors import sample_anchors
-from ..models.target import target_features
+from ..target import target_features
 from .arguments import DraftTrainingArguments
 from .collator import DraftDataCollator
 from .losses import draft_loss
@@ -106,7 +106,8 @@ class DraftTrainer(Trainer):
             model = build_draft(target_model, args)
         if not isinstance(model, DraftPreTrainedModel):
             raise TypeError(
-                f"DraftTrainer trains draft models (DSparkModel, DFlashModel, Eagle3Model), got {type(model).__name__}"
+                f"DraftTrainer trains hf_dspark drafts ({', '.join(s.model_class.__name__ for s in DRAFTERS.values())}), "
+                f"got {type(model).__name__}"
             )
         if target_model is not None:
             model.check_target(target_model)

@@ -1,4 +1,4 @@
-"""Local `evaluate` metric modules wrapping `hf_dspark.evaluation.metrics` (loaded by path: no Hub access)."""
+"""Local `evaluate` metric modules wrapping `hf_dspark.metrics` (loaded by path: no Hub access)."""
 
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ Load it without the Hub: `hf_dspark.evaluation.load_metric("acceptance")` (= `ev
 file>)`). One input row per verification round of one request: `proposed` draft tokens verified, `accepted`
 of them accepted (a prefix); `compute(..., committed=[...])` optionally gives the tokens committed per round
 (default accepted + 1; fewer when EOS or max_new_tokens cut the round). The numbers come from
-`hf_dspark.evaluation.metrics.AcceptanceStats`, the project's single definition, so both APIs agree exactly.
+`hf_dspark.metrics.AcceptanceStats`, the project's single definition, so both APIs agree exactly.
 """
 
 import datasets
 import evaluate
 
-from hf_dspark.evaluation.metrics import AcceptanceStats
+from hf_dspark.metrics import AcceptanceStats
 
 _DESCRIPTION = """Speculative-decoding acceptance: tau = committed tokens per verification round (accepted draft
 tokens + 1 bonus token), accept_rate_by_position[k] = P(slot k+1 accepted | slots 1..k accepted), verify efficiency

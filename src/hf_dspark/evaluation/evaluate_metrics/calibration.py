@@ -2,14 +2,14 @@
 
 Load it without the Hub: `hf_dspark.evaluation.load_metric("calibration")`. For a draft's confidence head,
 predictions are c_k (or prefix survival prod c_i) and references whether slot k was accepted (or slots 1..k);
-`hf_dspark.evaluation.metrics.slot_calibration_data` builds both from recorded rounds. The numbers come from
-`hf_dspark.evaluation.metrics.calibration_report`, so both APIs agree exactly.
+`hf_dspark.metrics.slot_calibration_data` builds both from recorded rounds. The numbers come from
+`hf_dspark.metrics.calibration_report`, so both APIs agree exactly.
 """
 
 import datasets
 import evaluate
 
-from hf_dspark.evaluation.metrics import calibration_report
+from hf_dspark.metrics import calibration_report
 
 _DESCRIPTION = """Calibration of predicted probabilities: expected calibration error (equal-width bins), area under
 the ROC curve (nan when only one class is present) and Brier score."""

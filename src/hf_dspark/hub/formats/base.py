@@ -115,7 +115,8 @@ class DraftFormat:
         config[EXPORT_META_KEY] = export_meta(draft, self.name, convention, lost)
         config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
         result = ExportResult(Path(output_dir), self.name, architecture, convention, serve_command, list(notes or []))
-        write_folder(output_dir, config, tensors, notes_readme(result, draft), overwrite=overwrite)
+        readme = notes_readme(result, draft, consumer=self.consumer)
+        write_folder(output_dir, config, tensors, readme, overwrite=overwrite)
         return result
 
 
@@ -395,13 +396,13 @@ def write_folder(
     return output_dir
 
 
-def notes_readme(result: ExportResult, draft, extra: str = "") -> str:
+def notes_readme(result: ExportResult, draft, extra: str = "", *, consumer: str) -> str:
     """The README.md of an export folder: what it is, who reads it, the layer-id convention, how to serve it."""
     cfg = draft.config
     lines = [
         f"# {cfg.model_type} draft exported by hf_dspark ({result.format} format)",
         "",
-        f"- consumer: {_consumer_of(result.format)}",
+        f"- consumer: {consumer}",
         f"- architecture: `{result.architecture}`",
         f"- target: `{cfg.target_name_or_path or 'unknown'}` ({cfg.target_model_type or 'unknown'}, "
         f"{cfg.num_target_layers or '?'} layers)",
@@ -423,12 +424,6 @@ def notes_readme(result: ExportResult, draft, extra: str = "") -> str:
     if extra:
         lines += ["", extra]
     return "\n".join(lines) + "\n"
-
-
-def _consumer_of(fmt: str) -> str:
-    from . import FORMATS
-
-    return FORMATS[fmt].consumer
 
 
 def block_layer_reasons(cfg, consumer: str) -> list[str]:

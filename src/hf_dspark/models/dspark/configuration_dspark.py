@@ -49,6 +49,14 @@ class DSparkConfig(DraftConfig):
     def num_draft_tokens(self) -> int:
         return self.block_size
 
+    def card_rows(self) -> list[tuple[str, str]]:
+        markov = f"{self.markov_head_type}, rank {self.markov_rank}" if self.markov_rank else "none"
+        confidence = "none"
+        if self.enable_confidence_head:
+            confidence = "on" + (" (with Markov features)" if self.confidence_head_with_markov else "")
+            confidence += ", STS-calibrated" if self.confidence_temperatures else ", not calibrated"
+        return [("Markov head", markov), ("confidence head", confidence), ("mask token id", str(self.mask_token_id))]
+
     def check_draft_fields(self) -> None:
         super().check_draft_fields()
         if self.block_size < 1:

@@ -24,7 +24,7 @@ from ..backbone import DraftDecoderLayer
 from ..context_cache import DraftContextCache
 from ..heads import MARKOV_HEADS, ConfidenceHead
 from ..modeling_draft import DraftPreTrainedModel, DraftProposal
-from ..target import TargetSpec
+from ...target import TargetSpec
 from .configuration_dspark import DSparkConfig
 
 

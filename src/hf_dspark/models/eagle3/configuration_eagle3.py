@@ -28,6 +28,9 @@ class Eagle3Config(DraftConfig):
     def num_draft_tokens(self) -> int:
         return self.ttt_length
 
+    def card_rows(self) -> list[tuple[str, str]]:
+        return [("norm_before_residual", str(self.norm_before_residual))]
+
     def check_draft_fields(self) -> None:
         super().check_draft_fields()
         if self.num_hidden_layers != 1:

@@ -1,0 +1,331 @@
+"""The one definition of every speculative-decoding metric in hf_dspark (docs/ALGORITHMS.md, "Metrics").
+
+Training logs, `generate()` statistics and the evaluation command all call these functions.
+
+- tau: committed tokens per verification round = accepted draft tokens + 1 (the bonus/correction token).
+- accept_rate@k (conditional): among rounds where slot k was proposed and slots 1..k-1 were accepted, the
+  fraction where slot k was accepted.
+- verify efficiency: committed tokens / tokens fed to the target in verification forwards.
+- calibration: ECE, AUROC and Brier score of a predicted probability against a 0/1 outcome.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class AcceptanceStats:
+    """Accumulates verification rounds; every decoding path records into one of these.
+
+    A round of one request: `proposed` draft tokens were verified (the scheduler may cut the block), `accepted`
+    of them were accepted (a prefix), and `accepted + 1` tokens were committed. The verification forward fed
+    `proposed + 1` tokens to the target (the anchor plus the proposals).
+    """
+
+    max_positions: int = 16
+    rounds: int = 0
+    committed: int = 0
+    fed: int = 0
+    proposed_total: int = 0
+    reached: np.ndarray = field(default=None)  # rounds where slot k was proposed with slots < k accepted
+    hit: np.ndarray = field(default=None)  # ... and slot k was accepted
+    # Optional confidence records for calibration: (confidences [n_slots], accepted, proposed) per round.
+    confidence_records: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.reached is None:
+            self.reached = np.zeros(self.max_positions, dtype=np.int64)
+        if self.hit is None:
+            self.hit = np.zeros(self.max_positions, dtype=np.int64)
+
+    def add_round(self, proposed, accepted, confidences=None, committed=None) -> None:
+        """Record one or more request-rounds: proposed/accepted are ints or 1-D tensors/arrays of equal length.
+
+        committed defaults to accepted + 1; pass it when EOS or max_new_tokens cut the round short.
+        confidences [rows, n_slots] (optional): the draft's c_k for the proposed slots.
+        """
+        proposed = np.atleast_1d(_to_numpy(proposed)).astype(np.int64)
+        accepted = np.atleast_1d(_to_numpy(accepted)).astype(np.int64)
+        if np.any(accepted > proposed):
+            raise ValueError("accepted cannot exceed proposed")
+        committed = accepted + 1 if committed is None else np.atleast_1d(_to_numpy(committed)).astype(np.int64)
+        if proposed.max(initial=0) > self.max_positions:
+            self._grow(int(proposed.max()))
+        self.rounds += len(proposed)
+        self.committed += int(committed.sum())
+        self.fed += int((proposed + 1).sum())
+        self.proposed_total += int(proposed.sum())
+        k = np.arange(self.max_positions)
+        # Slot k+1 (0-based k) was reached when the first k slots were accepted and it was proposed.
+        reached = (accepted[:, None] >= k[None, :]) & (proposed[:, None] > k[None, :])
+        self.reached += reached.sum(0)
+        self.hit += (reached & (accepted[:, None] > k[None, :])).sum(0)
+        if confidences is not None:
+            conf = _to_numpy(confidences)
+            for row in range(len(proposed)):
+                self.confidence_records.append((conf[row, : proposed[row]].astype(np.float64), accepted[row], proposed[row]))
+
+    def _grow(self, size: int) -> None:
+        pad = size - self.max_positions
+        self.reached = np.concatenate([self.reached, np.zeros(pad, dtype=np.int64)])
+        self.hit = np.concatenate([self.hit, np.zeros(pad, dtype=np.int64)])
+        self.max_positions = size
+
+    def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        size = max(self.max_positions, other.max_positions)
+        if self.max_positions < size:
+            self._grow(size)
+        self.rounds += other.rounds
+        self.committed += other.committed
+        self.fed += other.fed
+        self.proposed_total += other.proposed_total
+        self.reached[: other.max_positions] += other.reached
+        self.hit[: other.max_positions] += other.hit
+        self.confidence_records.extend(other.confidence_records)
+        return self
+
+    @property
+    def tau(self) -> float:
+        return self.committed / self.rounds if self.rounds else float("nan")
+
+    @property
+    def verify_efficiency(self) -> float:
+        return self.committed / self.fed if self.fed else float("nan")
+
+    @property
+    def _used_positions(self) -> int:
+        """Positions up to the last one any round reached."""
+        return int(np.max(np.nonzero(self.reached)[0]) + 1) if self.reached.any() else 0
+
+    @property
+    def accept_count_by_position(self) -> list[int]:
+        """Rounds behind each accept_rate@k: slot k proposed with slots 1..k-1 accepted (its denominator)."""
+        return [int(n) for n in self.reached[: self._used_positions]]
+
+    @property
+    def accept_rate_by_position(self) -> list[float]:
+        reached, hit = self.reached, self.hit
+        return [float(hit[k] / reached[k]) if reached[k] else float("nan") for k in range(self._used_positions)]
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": self.tau,
+            "rounds": self.rounds,
+            "committed_tokens": self.committed,
+            "verified_tokens": self.fed,
+            "proposed_tokens": self.proposed_total,
+            "verify_efficiency": self.verify_efficiency,
+            "accept_rate_by_position": self.accept_rate_by_position,
+            "accept_count_by_position": self.accept_count_by_position,
+        }
+
+
+def _to_numpy(x) -> np.ndarray:
+    if torch.is_tensor(x):
+        return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial rate (95% for z = 1.96); (nan, nan) without trials. Unlike the normal
+    approximation it stays inside [0, 1] and stays wide for a handful of trials (1 hit of 1 is [0.21, 1])."""
+    if trials <= 0:
+        return float("nan"), float("nan")
+    rate = successes / trials
+    denominator = 1 + z * z / trials
+    center = (rate + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(rate * (1 - rate) / trials + z * z / (4 * trials * trials)) / denominator
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+# -- training-time estimates ----------------------------------------------------------------------------------
+
+
+def training_acceptance_estimates(
+    accept_rate: torch.Tensor, greedy_match: torch.Tensor, eval_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Estimates of tau from a training batch (docs/ALGORITHMS.md, "DSpark / DFlash loss"):
+
+    accept_rate [..., K] = c*_k = 1 - TV(p_d, p_t); greedy_match [..., K] = 1[argmax p_d = argmax p_t];
+    eval_mask [..., K]. tau_prob = 1 + sum_k prod_{i<=k} accept_rate_i * eval_mask_i, tau_greedy likewise,
+    averaged over blocks whose first slot is valid. Returns sums and counts (so ranks can be summed before
+    dividing): tau_prob_sum, tau_greedy_sum, blocks, accept_sum [K], accept_count [K].
+    """
+    mask = eval_mask.float()
+    valid_blocks = mask[..., 0]  # 1.0 for blocks whose first slot is valid
+    survive_prob = torch.cumprod(accept_rate.float() * mask, dim=-1)
+    survive_greedy = torch.cumprod(greedy_match.float() * mask, dim=-1)
+    # Masked sums rather than boolean indexing: no device-to-host sync inside a training step.
+    tau_prob = (1 + survive_prob.sum(-1)) * valid_blocks
+    tau_greedy = (1 + survive_greedy.sum(-1)) * valid_blocks
+    flat_mask = mask.reshape(-1, mask.shape[-1])
+    return {
+        "tau_prob_sum": tau_prob.sum(),
+        "tau_greedy_sum": tau_greedy.sum(),
+        "blocks": valid_blocks.sum(),
+        "accept_sum": (accept_rate.float().reshape(-1, mask.shape[-1]) * flat_mask).sum(0),
+        "accept_count": flat_mask.sum(0),
+    }
+
+
+# -- calibration ----------------------------------------------------------------------------------------------
+
+
+def expected_calibration_error(probs, outcomes, n_bins: int = 15) -> float:
+    """ECE with equal-width bins: sum_b |B_b|/N * |mean(prob) - mean(outcome)|."""
+    probs, outcomes = np.asarray(probs, dtype=np.float64), np.asarray(outcomes, dtype=np.float64)
+    if probs.size == 0:
+        return float("nan")
+    bins = np.clip((probs * n_bins).astype(int), 0, n_bins - 1)
+    total = 0.0
+    for b in range(n_bins):
+        sel = bins == b
+        if sel.any():
+            total += sel.sum() * abs(probs[sel].mean() - outcomes[sel].mean())
+    return float(total / probs.size)
+
+
+def auroc(probs, outcomes) -> float:
+    """Area under the ROC curve (rank statistic, ties averaged); nan when only one class is present."""
+    probs, outcomes = np.asarray(probs, dtype=np.float64), np.asarray(outcomes).astype(bool)
+    pos, neg = outcomes.sum(), (~outcomes).sum()
+    if pos == 0 or neg == 0:
+        return float("nan")
+    order = probs.argsort()
+    ranks = np.empty(len(probs), dtype=np.float64)
+    sorted_probs = probs[order]
+    i = 0
+    while i < len(probs):
+        j = i
+        while j + 1 < len(probs) and sorted_probs[j + 1] == sorted_probs[i]:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1
+        i = j + 1
+    return float((ranks[outcomes].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def brier_score(probs, outcomes) -> float:
+    probs, outcomes = np.asarray(probs, dtype=np.float64), np.asarray(outcomes, dtype=np.float64)
+    return float(np.mean((probs - outcomes) ** 2)) if probs.size else float("nan")
+
+
+def reliability_curve(probs, outcomes, n_bins: int = 10) -> dict[str, list[float]]:
+    """Per-bin mean predicted probability, observed frequency and count (for reliability diagrams)."""
+    probs, outcomes = np.asarray(probs, dtype=np.float64), np.asarray(outcomes, dtype=np.float64)
+    bins = np.clip((probs * n_bins).astype(int), 0, n_bins - 1)
+    predicted, observed, counts = [], [], []
+    for b in range(n_bins):
+        sel = bins == b
+        counts.append(int(sel.sum()))
+        predicted.append(float(probs[sel].mean()) if sel.any() else float("nan"))
+        observed.append(float(outcomes[sel].mean()) if sel.any() else float("nan"))
+    return {"predicted": predicted, "observed": observed, "count": counts}
+
+
+def calibration_report(probs, outcomes, n_bins: int = 15) -> dict[str, float]:
+    return {
+        "ece": expected_calibration_error(probs, outcomes, n_bins),
+        "auroc": auroc(probs, outcomes),
+        "brier": brier_score(probs, outcomes),
+        "count": int(np.asarray(probs).size),
+    }
+
+
+def slot_calibration_data(records, slot: int, temperatures=None, kind: str = "conditional"):
+    """(predicted, outcome) arrays for 0-based `slot` from AcceptanceStats.confidence_records.
+
+    conditional: c_k against "slot k accepted" among rounds where slots < k were accepted;
+    survival: a_k = prod_{i<=k} c_i against "slots 1..k all accepted" among rounds that proposed slot k.
+    `temperatures` (STS) rescale the confidences' logits before use.
+    """
+    predicted, outcome = [], []
+    for conf, accepted, proposed in records:
+        if proposed <= slot:
+            continue
+        c = _apply_temperatures(conf[: slot + 1], temperatures)
+        if kind == "conditional":
+            if accepted < slot:
+                continue
+            predicted.append(c[slot])
+            outcome.append(accepted > slot)
+        elif kind == "survival":
+            predicted.append(float(np.prod(c)))
+            outcome.append(accepted > slot)
+        else:
+            raise ValueError(f"kind must be 'conditional' or 'survival', got {kind!r}")
+    return np.asarray(predicted, dtype=np.float64), np.asarray(outcome, dtype=np.float64)
+
+
+def _apply_temperatures(conf: np.ndarray, temperatures) -> np.ndarray:
+    if temperatures is None:
+        return conf
+    eps = 1e-7
+    c = np.clip(conf, eps, 1 - eps)
+    logits = np.log(c) - np.log1p(-c)
+    temps = np.asarray(temperatures[: len(conf)], dtype=np.float64)
+    return 1.0 / (1.0 + np.exp(-logits / temps))
+
+
+DEFAULT_STS_GRID = tuple(float(t) for t in np.round(np.exp(np.linspace(np.log(0.25), np.log(8.0), 121)), 4))
+
+
+def fit_sts_temperatures(records, num_slots: int, grid=DEFAULT_STS_GRID, n_bins: int = 15) -> list[float]:
+    """Sequential Temperature Scaling (paper 3.2.1).
+
+    For k = 1..K, choose T_k on `grid` minimizing the ECE of prod_{i<=k} sigmoid(logit_i / T_i) against
+    "first k slots all accepted", with T_1..T_{k-1} fixed. `records` as in AcceptanceStats.confidence_records
+    (held-out rollouts). Slots without data keep T = 1.
+
+    Equivalent to scoring `slot_calibration_data(records, k, temps + [t], kind="survival")` for every grid
+    value, computed on arrays: the fixed slots' product is kept once instead of being rebuilt per grid value.
+    """
+    logits, accepted, proposed = _survival_arrays(records, num_slots)
+    prefix = np.ones(len(accepted))  # prod_{i<k} sigmoid(logit_i / T_i), the slots already fixed
+    temps: list[float] = []
+    for slot in range(num_slots):
+        rows = proposed > slot
+        if not rows.any():  # no round proposed this slot (nor any later one)
+            temps += [1.0] * (num_slots - slot)
+            break
+        fixed, slot_logits, outcome = prefix[rows], logits[rows, slot], accepted[rows] > slot
+        best_t, best_ece = 1.0, float("inf")
+        for t in grid:
+            ece = expected_calibration_error(fixed * (1.0 / (1.0 + np.exp(-slot_logits / t))), outcome, n_bins)
+            if ece < best_ece - 1e-12:
+                best_t, best_ece = t, ece
+        temps.append(float(best_t))
+        prefix = prefix * (1.0 / (1.0 + np.exp(-logits[:, slot] / best_t)))
+    return temps
+
+
+def _survival_arrays(records, num_slots: int):
+    """Confidence records -> (logits [N, num_slots] of the clipped confidences (0 past `proposed`),
+    accepted [N], proposed [N]); the clipping is `_apply_temperatures`'s."""
+    eps = 1e-7
+    logits = np.zeros((len(records), num_slots), dtype=np.float64)
+    accepted = np.zeros(len(records), dtype=np.int64)
+    proposed = np.zeros(len(records), dtype=np.int64)
+    for row, (conf, acc, prop) in enumerate(records):
+        c = np.clip(np.asarray(conf[: min(prop, num_slots)], dtype=np.float64), eps, 1 - eps)
+        logits[row, : len(c)] = np.log(c) - np.log1p(-c)
+        accepted[row], proposed[row] = acc, prop
+    return logits, accepted, proposed
+
+
+__all__ = [
+    "wilson_interval",
+    "AcceptanceStats",
+    "training_acceptance_estimates",
+    "expected_calibration_error",
+    "auroc",
+    "brier_score",
+    "reliability_curve",
+    "calibration_report",
+    "slot_calibration_data",
+    "fit_sts_temperatures",
+]

@@ -1,0 +1,90 @@
+"""Turning logits into the exact distribution a token is drawn from; shared by drafts and the target.
+
+Lossless speculative sampling needs the draft's q and the target's p to be processed identically
+(temperature, top-k, top-p, repetition penalty, ...). `TokenSampler` is that one place: it applies a
+transformers `LogitsProcessorList` (the one `generate()` builds, warpers included) or, standalone, builds the
+same warpers from temperature/top-k/top-p.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_extra_arguments(processor_type: type) -> bool:
+    return len(inspect.signature(processor_type.__call__).parameters) > 3  # self, input_ids, scores
+
+
+def apply_logits_processors(processors, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`LogitsProcessorList.__call__` without re-reading every processor's signature on every call.
+
+    transformers inspects each processor's signature per call, which costs more than the processing itself in a
+    speculative round (a call per draft slot and per verified position); the check is cached per type here.
+    """
+    for processor in processors:
+        if _takes_extra_arguments(type(processor)):
+            scores = LogitsProcessorList([processor])(input_ids, scores, **kwargs)
+        else:
+            scores = processor(input_ids, scores)
+    return scores
+
+
+class TokenSampler:
+    def __init__(
+        self,
+        do_sample: bool = True,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        if logits_processor is None:
+            logits_processor = LogitsProcessorList()
+            if do_sample:
+                if temperature is not None and temperature != 1.0:
+                    if temperature <= 0:
+                        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}; use do_sample=False")
+                    logits_processor.append(TemperatureLogitsWarper(temperature))
+                if top_k:
+                    logits_processor.append(TopKLogitsWarper(top_k))
+                if top_p is not None and top_p < 1.0:
+                    logits_processor.append(TopPLogitsWarper(top_p))
+        self.do_sample = do_sample
+        self.logits_processor = logits_processor
+        self.generator = generator
+
+    def process(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw logits [R, V] -> processed float32 logits [R, V] (`input_ids` [R, L]: the sequence so far)."""
+        logits = logits.float()
+        if len(self.logits_processor) == 0:
+            return logits
+        if input_ids is None:
+            input_ids = torch.zeros(logits.shape[0], 0, dtype=torch.long, device=logits.device)
+        return apply_logits_processors(self.logits_processor, input_ids, logits)
+
+    def distribution(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.softmax(self.process(logits, input_ids), dim=-1)
+
+    def select(self, probs: torch.Tensor) -> torch.Tensor:
+        """Draw one token per row from probs [R, V] (argmax when greedy)."""
+        if not self.do_sample:
+            return probs.argmax(dim=-1)
+        return sample_from(probs, self.generator)
+
+    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None):
+        probs = self.distribution(logits, input_ids)
+        return probs, self.select(probs)
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One multinomial draw per row of probs [R, V]."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+__all__ = ["TokenSampler", "sample_from", "apply_logits_processors"]
