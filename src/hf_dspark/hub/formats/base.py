@@ -437,7 +437,8 @@ def block_layer_reasons(cfg, consumer: str) -> list[str]:
     if not cfg.use_qk_norm:
         reasons.append(
             f"{consumer} always applies q_norm/k_norm (Qwen3 attention) but this draft has none "
-            f"(its target is {cfg.target_model_type or 'not Qwen3-like'})"
+            f"(its target is {cfg.target_model_type or 'not Qwen3-like'}); train the draft with q/k norm: "
+            "`from_target(target, use_qk_norm=True)` or `hf-dspark train --use_qk_norm true`"
         )
     if cfg.embedding_multiplier != 1.0:
         reasons.append(
