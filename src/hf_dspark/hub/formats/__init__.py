@@ -1,12 +1,12 @@
 """Foreign checkpoint formats, one module each, found through one registry (like PEFT's tuners).
 
-| format      | DSpark                          | DFlash                          | Eagle3                                     |
-|-------------|---------------------------------|---------------------------------|--------------------------------------------|
-| deepspec    | Qwen3DSparkModel                | Qwen3DSparkModel, markov_rank 0 | Qwen3Eagle3Model (5 layers)                |
-| vllm        | Qwen3DSparkModel (vanilla head) | Qwen3DSparkModel, markov_rank 0 | LlamaForCausalLMEagle3 / Eagle3Qwen3ForCausalLM |
-| sglang      | Qwen3DSparkModel (DSPARK)       | refused (slot convention)       | LlamaForCausalLMEagle3, midlayer.* (Llama) |
-| speculators | dspark -> Qwen3DSparkModel      | refused (slot convention)       | eagle3, Llama or Qwen3 layer               |
-| dflash      | refused (slot convention)       | refused (slot convention)       | refused                                    |
+| format      | DSpark                        | DFlash                        | Eagle3                          |
+|-------------|-------------------------------|-------------------------------|---------------------------------|
+| deepspec    | Qwen3DSparkModel              | Qwen3DSparkModel, rank 0      | Qwen3Eagle3Model (5 layers)     |
+| vllm        | Qwen3DSparkModel (vanilla)    | Qwen3DSparkModel, rank 0      | Llama / Qwen3 Eagle3 layer      |
+| sglang      | Qwen3DSparkModel (DSPARK)     | refused (slot convention)     | Llama Eagle3 layer, midlayer.*  |
+| speculators | dspark -> Qwen3DSparkModel    | refused (slot convention)     | eagle3, Llama / Qwen3 layer     |
+| dflash      | refused (slot convention)     | refused (slot convention)     | refused                         |
 
 Block drafts need q/k norm (Qwen3 targets, or any target with `use_qk_norm=True`). Gemma-family drafts are
 refused everywhere (no writer for DeepSpec's/vLLM's Gemma4DSparkModel yet). Each module's docstring states the

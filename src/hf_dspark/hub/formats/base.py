@@ -68,6 +68,7 @@ class DraftFormat:
 
     name: ClassVar[str] = ""
     consumer: ClassVar[str] = ""  # who reads it, for messages and notes
+    checked_against: ClassVar[str] = ""  # the consumer release whose code the layout was checked against
 
     def why_not(self, draft) -> str | None:
         """None if `draft` can be written losslessly in this format, else the reason (and the alternative)."""
@@ -402,6 +403,7 @@ def notes_readme(result: ExportResult, draft, extra: str = "") -> str:
         f"# {cfg.model_type} draft exported by hf_dspark ({result.format} format)",
         "",
         f"- consumer: {_consumer_of(result.format)}",
+        f"- checked against: {_format(result.format).checked_against}",
         f"- architecture: `{result.architecture}`",
         f"- target: `{cfg.target_name_or_path or 'unknown'}` ({cfg.target_model_type or 'unknown'}, "
         f"{cfg.num_target_layers or '?'} layers)",
@@ -411,6 +413,8 @@ def notes_readme(result: ExportResult, draft, extra: str = "") -> str:
     lines += [f"- {note}" for note in result.notes]
     if result.serve_command:
         lines += ["", "## Serve", "", "```bash", result.serve_command, "```"]
+        lines += ["", "Not yet run on a GPU by hf_dspark: the layout was checked on CPU against the consumer's own code "
+                  "(scripts/check_exports.sh)."]
     lines += [
         "",
         "## Load back into hf_dspark",
@@ -425,10 +429,14 @@ def notes_readme(result: ExportResult, draft, extra: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _consumer_of(fmt: str) -> str:
+def _format(fmt: str) -> DraftFormat:
     from . import FORMATS
 
-    return FORMATS[fmt].consumer
+    return FORMATS[fmt]
+
+
+def _consumer_of(fmt: str) -> str:
+    return _format(fmt).consumer
 
 
 def block_layer_reasons(cfg, consumer: str) -> list[str]:

@@ -218,6 +218,7 @@ def eagle3_spec(c: dict) -> dict[str, TensorSpec]:
 
 class DeepSpecFormat(DraftFormat):
     name = "deepspec"
+    checked_against = "DeepSpec afdfa7c (its Qwen3DSparkModel / Qwen3Eagle3Model.from_pretrained load the export)"
     consumer = "DeepSpec (deepseek-ai/DeepSpec: training, eval.py) and vLLM's Qwen3DSparkModel loader"
 
     def why_not(self, draft) -> str | None:

@@ -64,6 +64,7 @@ def sglang_serve_command(target: str, algorithm: str, draft: str, extra: str = "
 
 class SglangFormat(DraftFormat):
     name = "sglang"
+    checked_against = "SGLang 0.5.23 (srt/models/llama_eagle3.py, dspark.py, llama.py, qwen3.py; dflash_utils.py)"
     consumer = "SGLang (`--speculative-algorithm EAGLE3` / `DSPARK`)"
 
     def why_not(self, draft) -> str | None:
@@ -132,7 +133,8 @@ class SglangFormat(DraftFormat):
     def read(self, c: dict, tensors: dict) -> tuple:
         if BLOCK_ARCHITECTURE in (c.get("architectures") or []):
             return DeepSpecFormat().read(c, tensors)
-        return apply_export_meta(self.config_from(c), c), read_llama_eagle3(c, tensors, "this SGLang Eagle3 checkpoint")
+        state = read_llama_eagle3(c, tensors, "this SGLang Eagle3 checkpoint")
+        return apply_export_meta(self.config_from(c), c), state
 
 
 __all__ = ["SglangFormat", "SGLANG_EAGLE3_ARCHITECTURE", "sglang_serve_command"]

@@ -75,6 +75,10 @@ def verifier_architectures(model_type: str | None) -> list[str]:
 
 class SpeculatorsFormat(DraftFormat):
     name = "speculators"
+    checked_against = (
+        "speculators 0.9.0 (its config classes and draft models load the export) and vLLM 0.33.0 "
+        "(transformers_utils/configs/speculators)"
+    )
     consumer = "speculators / vLLM (`vllm serve DRAFT` reads the verifier from the config)"
 
     def why_not(self, draft) -> str | None:
@@ -120,7 +124,8 @@ class SpeculatorsFormat(DraftFormat):
         speculators_config = {
             "algorithm": cfg.model_type,
             "proposal_methods": [
-                {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+                {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
+                 "accept_tolerance": 0.0}
             ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(cfg.target_model_type)},
@@ -141,7 +146,7 @@ class SpeculatorsFormat(DraftFormat):
             }
             arch, notes = BLOCK_ARCHITECTURE, []
         else:
-            layer = llama_eagle3_config(cfg, "LlamaForCausalLM" if layer_model_type(cfg) == "llama" else "Qwen3ForCausalLM")
+            layer = llama_eagle3_config(cfg, "")
             layer.pop("architectures")
             layer["num_aux_hidden_states"] = len(ids)
             config = {

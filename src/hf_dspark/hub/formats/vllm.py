@@ -15,8 +15,9 @@ any target trained with use_qk_norm) as `Eagle3Qwen3ForCausalLM` (qwen3_eagle3.p
 and in `eagle_config` (where the model sizes `fc`; with `use_aux_hidden_state: true`) in vLLM's convention:
 hf_dspark id + 1. Without them vLLM falls back to its defaults and warns "Acceptance will be low".
 
-Import: a `LlamaForCausalLMEagle3` / `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM` folder with `midlayer.*` or `layers.0.*` keys
-(vLLM's and SGLang's exports alike) reads back through this module; block drafts read through deepspec.py.
+Import: a `LlamaForCausalLMEagle3` / `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM` folder with
+`midlayer.*` or `layers.0.*` keys reads back through this module with vLLM's layer ids (hf_dspark's own SGLang
+exports read through sglang.py, with SGLang's); block drafts read through deepspec.py.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def vllm_serve_command(target: str, method: str, model: str, num_tokens: int, ex
 
 class VllmFormat(DraftFormat):
     name = "vllm"
+    checked_against = "vLLM 0.33.0 (registry.py, qwen3_dspark.py, llama_eagle3.py, qwen3_eagle3.py, gpu_model_runner)"
     consumer = "vLLM (`--speculative-config`, methods dspark / eagle3)"
 
     def why_not(self, draft) -> str | None:
