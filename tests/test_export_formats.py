@@ -217,6 +217,7 @@ def test_speculators_export_needs_the_target_hub_id(targets, tmp_path):
         ("dspark_rnn", "speculators", "vanilla"),
         ("dspark_gemma3", "deepspec", "embedding multiplier"),
         ("dspark_gemma3", "deepspec", "soft-capping"),
+        ("dspark_gemma3", "vllm", "Gemma4DSparkModel"),
         ("dspark_rnn", "vllm", "vanilla"),
         ("dspark_gated", "vllm", "--format deepspec"),
         ("dflash", "sglang", "own position"),

@@ -454,6 +454,14 @@ def block_layer_reasons(cfg, consumer: str) -> list[str]:
         )
     if cfg.final_logit_softcapping is not None:
         reasons.append(f"{consumer} has no logit soft-capping (this draft caps at {cfg.final_logit_softcapping})")
+    if cfg.embedding_multiplier != 1.0 or cfg.final_logit_softcapping is not None:
+        # DeepSpec and vLLM 0.33.0 do serve Gemma-4 DSpark drafts, but as Gemma4DSparkModel, whose layers are
+        # Gemma-4 layers (v_norm, pre/post-feedforward norms; deepspec/modeling/dspark/gemma4/modeling.py).
+        reasons.append(
+            "the Gemma-4 DSpark layout of DeepSpec and vLLM (Gemma4DSparkModel) has Gemma-4 decoder layers "
+            "(v_norm, pre/post-feedforward norms) that hf_dspark's Qwen3-style draft layers cannot be written as; "
+            "Gemma-family drafts can only be served through hf_dspark (target.generate(assistant_model=draft))"
+        )
     if cfg.mlp_bias:
         reasons.append(f"the MLP of {consumer} has no biases")
     if cfg.target_hidden_size != cfg.hidden_size:

@@ -96,6 +96,10 @@ class VllmFormat(DraftFormat):
             if cfg.model_type == "dflash":
                 notes.append("DFlash is written as Qwen3DSparkModel with markov_rank 0 (DeepSpec's layout), not as "
                              "DFlashDraftModel, whose slot convention differs")
+                # qwen3_dspark.py builds DSparkMarkovHead(V, V, markov_rank) unconditionally: with rank 0 its
+                # bias is a zero-width product (zeros), and load_weights does not require markov weights.
+                notes.append("vLLM builds its Markov head with rank 0 for this draft (a zero bias); not yet run on "
+                             "a GPU")
         else:
             arch = VLLM_EAGLE3_ARCHITECTURES[layer_model_type(cfg)]
             config = llama_eagle3_config(cfg, arch)
