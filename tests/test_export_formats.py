@@ -44,6 +44,12 @@ def drafts(targets):
         "dspark_llama": DSparkModel.from_target(llama, num_hidden_layers=1, markov_rank=8),
         "eagle3_llama_5": Eagle3Model.from_target(llama, target_layer_ids=[0, 1, 2, 3, 4]),
         "dspark_gemma3": DSparkModel.from_target(targets["gemma3"], num_hidden_layers=1, markov_rank=8),
+        "dspark_no_confidence": DSparkModel.from_target(q, num_hidden_layers=1, markov_rank=8,
+                                                        enable_confidence_head=False, confidence_head_alpha=0.0),
+        "eagle3_embedding_feature": Eagle3Model.from_target(llama, target_layer_ids=[-1, 2, 4]),
+        # Llama targets with the q/k norm every block-draft consumer applies.
+        "dspark_llama_qk": DSparkModel.from_target(llama, num_hidden_layers=1, markov_rank=8, use_qk_norm=True),
+        "eagle3_llama_qk": Eagle3Model.from_target(llama, target_layer_ids=[0, 2, 4], use_qk_norm=True),
     }
     for i, draft in enumerate(made.values()):
         randomize(draft, seed=i)
@@ -79,6 +85,20 @@ def assert_same_draft(back, draft):
         ("eagle3_llama", "vllm"),
         ("eagle3_llama", "sglang"),
         ("eagle3_llama", "speculators"),
+        ("eagle3_llama_5", "vllm"),
+        ("eagle3_llama_5", "sglang"),
+        ("eagle3_llama_5", "speculators"),
+        ("eagle3_qwen3", "vllm"),
+        ("eagle3_qwen3", "speculators"),
+        ("dspark", "sglang"),
+        ("dspark_rnn", "sglang"),
+        ("dspark", "speculators"),
+        ("dspark_llama_qk", "vllm"),
+        ("dspark_llama_qk", "sglang"),
+        ("dspark_llama_qk", "speculators"),
+        ("dspark_llama_qk", "deepspec"),
+        ("eagle3_llama_qk", "vllm"),
+        ("eagle3_llama_qk", "speculators"),
     ],
 )
 def test_export_then_import_gives_bit_identical_draft(drafts, tmp_path, name, fmt):
@@ -125,6 +145,14 @@ def test_vllm_eagle3_writes_aux_layer_ids_in_vllm_convention(drafts, tmp_path):
     assert "layers.0.hidden_norm.weight" in keys and "d2t" not in keys and "t2d" not in keys
 
 
+def test_vllm_eagle3_with_qk_norm_loads_as_vllms_qwen3_eagle3(drafts, tmp_path):
+    export_draft(drafts["eagle3_llama_qk"], "vllm", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    keys = set(load_file(tmp_path / "out" / "model.safetensors"))
+    assert {"layers.0.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"} <= keys
+
+
 def test_sglang_export_holds_exactly_the_keys_sglang_loads(drafts, tmp_path):
     export_draft(drafts["eagle3_llama"], "sglang", tmp_path / "out")
     tensors = load_file(tmp_path / "out" / "model.safetensors")
@@ -134,8 +162,6 @@ def test_sglang_export_holds_exactly_the_keys_sglang_loads(drafts, tmp_path):
         "fc.weight": (d, 3 * d),
         "norm.weight": (d,),
         "lm_head.weight": (vocab, d),
-        "d2t": (vocab,),
-        "t2d": (vocab,),
         "midlayer.self_attn.q_proj.weight": (32, 2 * d),
         "midlayer.self_attn.k_proj.weight": (16, 2 * d),
         "midlayer.self_attn.v_proj.weight": (16, 2 * d),
@@ -148,11 +174,10 @@ def test_sglang_export_holds_exactly_the_keys_sglang_loads(drafts, tmp_path):
         "midlayer.mlp.down_proj.weight": (d, 64),
     }
     assert {k: tuple(v.shape) for k, v in tensors.items()} == expected
-    assert tensors["d2t"].dtype == torch.int64 and not tensors["d2t"].any()
-    assert tensors["t2d"].dtype == torch.bool and tensors["t2d"].all()
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["model_type"] == "llama" and config["num_hidden_layers"] == 1
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    # SGLang adds 1 itself: a configured id k is the output of layer k, hf_dspark's own convention.
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
 
 
 def test_speculators_config_names_algorithm_and_verifier(drafts, tmp_path):
@@ -180,22 +205,24 @@ def test_speculators_export_needs_the_target_hub_id(targets, tmp_path):
 @pytest.mark.parametrize(
     "name, fmt, reason",
     [
-        ("eagle3_qwen3", "vllm", "no q_norm/k_norm"),
-        ("eagle3_qwen3", "sglang", "--format deepspec"),
-        ("eagle3_qwen3", "speculators", "no q_norm/k_norm"),
-        ("eagle3_llama_5", "vllm", r"Linear\(3 \* target_hidden_size"),
+        ("eagle3_qwen3", "sglang", "--format vllm"),
+        ("eagle3_embedding_feature", "vllm", "target_layer_ids >= 0"),
+        ("eagle3_embedding_feature", "sglang", "target_layer_ids >= 0"),
         ("eagle3_llama", "deepspec", "exactly 5"),
-        ("dspark_llama", "vllm", "always applies q_norm/k_norm"),
+        ("dspark_llama", "vllm", "use_qk_norm=True"),
         ("dspark_llama", "deepspec", "always applies q_norm/k_norm"),
+        ("dspark_llama", "sglang", "use_qk_norm=True"),
+        ("dspark_no_confidence", "sglang", "enable_confidence_head=True"),
+        ("dflash", "speculators", "z-lab"),
+        ("dspark_rnn", "speculators", "vanilla"),
         ("dspark_gemma3", "deepspec", "embedding multiplier"),
         ("dspark_gemma3", "deepspec", "soft-capping"),
+        ("dspark_gemma3", "vllm", "Gemma4DSparkModel"),
         ("dspark_rnn", "vllm", "vanilla"),
         ("dspark_gated", "vllm", "--format deepspec"),
-        ("dspark", "sglang", "no DSpark drafter"),
         ("dflash", "sglang", "own position"),
         ("dflash", "dflash", "own position"),
         ("dspark", "dflash", "cannot be converted"),
-        ("dspark", "speculators", "Eagle3 drafts only"),
     ],
 )
 def test_export_refuses_what_the_format_cannot_represent(drafts, tmp_path, name, fmt, reason):
@@ -264,6 +291,7 @@ def test_import_refuses_a_reduced_draft_vocabulary(drafts, tmp_path):
     export_draft(drafts["eagle3_llama"], "sglang", tmp_path / "out")
     file = tmp_path / "out" / "model.safetensors"
     tensors = load_file(file)
+    tensors["d2t"] = torch.zeros(96, dtype=torch.int64)
     tensors["d2t"][5] = 3
     save_file(tensors, file)
     with pytest.raises(ForeignCheckpointError, match="reduced draft vocabulary"):
@@ -297,7 +325,7 @@ def test_cli_export_and_import(drafts, tmp_path, capsys):
     assert cli_main(["export", "--draft", str(tmp_path / "draft"), "--format", "vllm", "--output_dir",
                      str(tmp_path / "vllm"), "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "LlamaForCausalLMEagle3" in out and "vLLM/SGLang aux-hidden-state convention" in out and "vllm serve" in out
+    assert "LlamaForCausalLMEagle3" in out and "vLLM aux-hidden-state convention" in out and "vllm serve" in out
     assert cli_main(["import", "--checkpoint", str(tmp_path / "vllm"), "--output_dir", str(tmp_path / "back")]) == 0
     back = Eagle3Model.from_pretrained(tmp_path / "back")
     assert torch.equal(back.fc.weight, drafts["eagle3_llama"].fc.weight.to(torch.bfloat16))

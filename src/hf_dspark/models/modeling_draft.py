@@ -157,7 +157,8 @@ class DraftPreTrainedModel(PreTrainedModel):
 
         target_layer_ids defaults to 5 evenly spaced non-final layers. The draft's embeddings and lm_head are
         frozen copies of the target's. `block_size` is the number of draft tokens per round (Eagle3: its
-        ttt_length). Any config field can be overridden by keyword.
+        ttt_length). Any config field can be overridden by keyword, e.g. `use_qk_norm=True` for a Llama/Qwen2
+        target (the query/key RMSNorm every serving engine's block-draft layer applies).
         """
         spec = TargetSpec.from_model(target)
         kwargs = spec.draft_config_kwargs()

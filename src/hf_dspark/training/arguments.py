@@ -28,6 +28,13 @@ class DraftTrainingArguments(TrainingArguments):
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Target layers feeding the draft (default: 5 evenly spaced non-final ones)."}
     )
+    use_qk_norm: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Query/key RMSNorm in the draft's attention (default: follow the target). True gives Llama/Qwen2 "
+            "targets the Qwen3-style attention that vLLM, SGLang and DeepSpec block drafters expect."
+        },
+    )
 
     # -- data ----------------------------------------------------------------------------------------------------
     max_length: int = field(default=2048, metadata={"help": "Longest tokenized conversation; longer ones are cut."})

@@ -46,6 +46,8 @@ def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrai
         if not hasattr(config_cls, "num_anchors"):
             raise ValueError(f"num_anchors does not apply to {args.algorithm} drafts (they train on every position)")
         overrides["num_anchors"] = args.num_anchors
+    if getattr(args, "use_qk_norm", None) is not None:
+        overrides["use_qk_norm"] = args.use_qk_norm
     return model_cls.from_target(
         target,
         target_layer_ids=getattr(args, "target_layer_ids", None),

@@ -1,14 +1,16 @@
 """Foreign checkpoint formats, one module each, found through one registry (like PEFT's tuners).
 
-| format      | DSpark                   | DFlash                         | Eagle3                              |
-|-------------|--------------------------|--------------------------------|-------------------------------------|
-| deepspec    | Qwen3DSparkModel         | Qwen3DSparkModel, markov_rank 0| Qwen3Eagle3Model (5 layers)         |
-| vllm        | Qwen3DSparkModel (dspark)| Qwen3DSparkModel (dspark)      | LlamaForCausalLMEagle3, layers.0.*  |
-| sglang      | refused                  | refused (slot convention)      | LlamaForCausalLMEagle3, midlayer.*  |
-| speculators | refused                  | refused                        | Eagle3Speculator                    |
-| dflash      | refused (slot convention)| refused (slot convention)      | refused                             |
+| format      | DSpark                        | DFlash                        | Eagle3                          |
+|-------------|-------------------------------|-------------------------------|---------------------------------|
+| deepspec    | Qwen3DSparkModel              | Qwen3DSparkModel, rank 0      | Qwen3Eagle3Model (5 layers)     |
+| vllm        | Qwen3DSparkModel (vanilla)    | Qwen3DSparkModel, rank 0      | Llama / Qwen3 Eagle3 layer      |
+| sglang      | Qwen3DSparkModel (DSPARK)     | refused (slot convention)     | Llama Eagle3 layer, midlayer.*  |
+| speculators | dspark -> Qwen3DSparkModel    | refused (slot convention)     | eagle3, Llama / Qwen3 layer     |
+| dflash      | refused (slot convention)     | refused (slot convention)     | refused                         |
 
-Each module's docstring states the layer-id convention it writes and what it refuses.
+Block drafts need q/k norm (Qwen3 targets, or any target with `use_qk_norm=True`). Gemma-family drafts are
+refused everywhere (no writer for DeepSpec's/vLLM's Gemma4DSparkModel yet). Each module's docstring states the
+layer-id convention it writes, the consumer code it was checked against, and what it refuses.
 """
 
 from .base import DraftFormat, ExportError, ExportResult, ForeignCheckpointError
@@ -23,7 +25,8 @@ FORMATS: dict[str, DraftFormat] = {
 }
 
 # Detection order for imports: the most specific markers first (speculators configs also say "eagle3").
-_DETECTION_ORDER = ("speculators", "deepspec", "vllm", "dflash")
+# SGLang exports are recognised by their hf_dspark block only (their architecture names are vLLM's too).
+_DETECTION_ORDER = ("speculators", "sglang", "deepspec", "vllm", "dflash")
 
 
 def get_format(name: str) -> DraftFormat:

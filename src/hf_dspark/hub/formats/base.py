@@ -68,6 +68,7 @@ class DraftFormat:
 
     name: ClassVar[str] = ""
     consumer: ClassVar[str] = ""  # who reads it, for messages and notes
+    checked_against: ClassVar[str] = ""  # the consumer release whose code the layout was checked against
 
     def why_not(self, draft) -> str | None:
         """None if `draft` can be written losslessly in this format, else the reason (and the alternative)."""
@@ -115,7 +116,7 @@ class DraftFormat:
         config[EXPORT_META_KEY] = export_meta(draft, self.name, convention, lost)
         config["torch_dtype"] = config["dtype"] = dtype_name(tensors)
         result = ExportResult(Path(output_dir), self.name, architecture, convention, serve_command, list(notes or []))
-        readme = notes_readme(result, draft, consumer=self.consumer)
+        readme = notes_readme(result, draft, consumer=self.consumer, checked_against=self.checked_against)
         write_folder(output_dir, config, tensors, readme, overwrite=overwrite)
         return result
 
@@ -396,13 +397,14 @@ def write_folder(
     return output_dir
 
 
-def notes_readme(result: ExportResult, draft, extra: str = "", *, consumer: str) -> str:
+def notes_readme(result: ExportResult, draft, extra: str = "", *, consumer: str, checked_against: str) -> str:
     """The README.md of an export folder: what it is, who reads it, the layer-id convention, how to serve it."""
     cfg = draft.config
     lines = [
         f"# {cfg.model_type} draft exported by hf_dspark ({result.format} format)",
         "",
         f"- consumer: {consumer}",
+        f"- checked against: {checked_against}",
         f"- architecture: `{result.architecture}`",
         f"- target: `{cfg.target_name_or_path or 'unknown'}` ({cfg.target_model_type or 'unknown'}, "
         f"{cfg.num_target_layers or '?'} layers)",
@@ -412,6 +414,8 @@ def notes_readme(result: ExportResult, draft, extra: str = "", *, consumer: str)
     lines += [f"- {note}" for note in result.notes]
     if result.serve_command:
         lines += ["", "## Serve", "", "```bash", result.serve_command, "```"]
+        lines += ["", "Not yet run on a GPU by hf_dspark: the layout was checked on CPU against the consumer's own code "
+                  "(scripts/check_exports.sh)."]
     lines += [
         "",
         "## Load back into hf_dspark",
@@ -432,7 +436,8 @@ def block_layer_reasons(cfg, consumer: str) -> list[str]:
     if not cfg.use_qk_norm:
         reasons.append(
             f"{consumer} always applies q_norm/k_norm (Qwen3 attention) but this draft has none "
-            f"(its target is {cfg.target_model_type or 'not Qwen3-like'})"
+            f"(its target is {cfg.target_model_type or 'not Qwen3-like'}); train the draft with q/k norm: "
+            "`from_target(target, use_qk_norm=True)` or `hf-dspark train --use_qk_norm true`"
         )
     if cfg.embedding_multiplier != 1.0:
         reasons.append(
@@ -440,6 +445,14 @@ def block_layer_reasons(cfg, consumer: str) -> list[str]:
         )
     if cfg.final_logit_softcapping is not None:
         reasons.append(f"{consumer} has no logit soft-capping (this draft caps at {cfg.final_logit_softcapping})")
+    if cfg.embedding_multiplier != 1.0 or cfg.final_logit_softcapping is not None:
+        # DeepSpec and vLLM 0.33.0 do serve Gemma-4 DSpark drafts, but as Gemma4DSparkModel, whose layers are
+        # Gemma-4 layers (v_norm, pre/post-feedforward norms; deepspec/modeling/dspark/gemma4/modeling.py).
+        reasons.append(
+            "the Gemma-4 DSpark layout of DeepSpec and vLLM (Gemma4DSparkModel) has Gemma-4 decoder layers "
+            "(v_norm, pre/post-feedforward norms) that hf_dspark's Qwen3-style draft layers cannot be written as; "
+            "Gemma-family drafts can only be served through hf_dspark (target.generate(assistant_model=draft))"
+        )
     if cfg.mlp_bias:
         reasons.append(f"the MLP of {consumer} has no biases")
     if cfg.target_hidden_size != cfg.hidden_size:

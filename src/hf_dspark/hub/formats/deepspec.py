@@ -37,6 +37,7 @@ from .base import (
     draft_tensors,
     rename,
     strictly_increasing,
+    target_for_commands,
 )
 
 BLOCK_ARCHITECTURE = "Qwen3DSparkModel"
@@ -179,6 +180,9 @@ def eagle3_config(cfg) -> dict:
             "target_layer_ids": list(cfg.target_layer_ids),
             "ttt_length": cfg.ttt_length,
             "step_loss_decay": cfg.step_loss_decay,
+            # DeepSpec's Eagle3 evaluator reads this (deepspec/eval/eagle3/evaluator.py asserts it is 1).
+            "draft_num_hidden_layers": 1,
+            "target_model_name_or_path": target_for_commands(cfg),
         }
     )
     return c
@@ -214,6 +218,7 @@ def eagle3_spec(c: dict) -> dict[str, TensorSpec]:
 
 class DeepSpecFormat(DraftFormat):
     name = "deepspec"
+    checked_against = "DeepSpec afdfa7c (its Qwen3DSparkModel / Qwen3Eagle3Model.from_pretrained load the export)"
     consumer = "DeepSpec (deepseek-ai/DeepSpec: training, eval.py) and vLLM's Qwen3DSparkModel loader"
 
     def why_not(self, draft) -> str | None:
@@ -257,8 +262,8 @@ class DeepSpecFormat(DraftFormat):
             convention=f"hf_dspark's own: {OUR_LAYER_CONVENTION} (DeepSpec reads hidden_states[l + 1])",
             lost=config_diff(draft.config, self.config_from(config)),
             serve_command=(
-                f"python eval.py --draft_name_or_path {Path(output_dir).name}   # DeepSpec checkout, target from "
-                "the draft's config"
+                f"python eval.py --target_name_or_path {target_for_commands(draft.config)} "
+                f"--draft_name_or_path {output_dir}   # in a DeepSpec checkout"
             ),
             notes=notes, dtype=dtype, overwrite=overwrite,
         )

@@ -34,6 +34,7 @@ CONVENTION_MISMATCH = (
 
 class DFlashFormat(DraftFormat):
     name = "dflash"
+    checked_against = "vLLM 0.33.0 and SGLang 0.5.23 DFlashDraftModel"
     consumer = "z-lab DFlash (DFlashDraftModel)"
 
     def why_not(self, draft) -> str | None:

@@ -7,13 +7,17 @@ vLLM's Markov head is the vanilla one, so gated/RNN heads are refused (the deeps
 A DFlash draft is written as `Qwen3DSparkModel` with `markov_rank: 0`, exactly as DeepSpec releases its DFlash
 drafts, and not as `DFlashDraftModel`: vLLM's DFlash path follows z-lab's convention (see dflash.py).
 
-Eagle3. The Llama-Eagle3 layout (llama_eagle3.py) with `layers.0.*` keys, no d2t/t2d (optional in vLLM; the
-vocabulary is the full one), `eagle_aux_hidden_state_layer_ids` written both at top level and in `eagle_config`
-(with `use_aux_hidden_state: true`) in vLLM's convention: hf_dspark id + 1. Without them vLLM falls back to its
-defaults and warns "Acceptance will be low", so the exporter always writes them.
+Eagle3. The one-layer Eagle3 layout (llama_eagle3.py) with `layers.0.*` keys: Llama drafts as
+`LlamaForCausalLMEagle3` (vllm/model_executor/models/llama_eagle3.py), drafts with q/k norm (Qwen3 targets, or
+any target trained with use_qk_norm) as `Eagle3Qwen3ForCausalLM` (qwen3_eagle3.py), both registered in vLLM
+0.33.0's registry.py. No d2t/t2d (full vocabulary; vLLM fails on an identity d2t, see llama_eagle3.py).
+`eagle_aux_hidden_state_layer_ids` is written at top level (where gpu_model_runner.py reads the capture points)
+and in `eagle_config` (where the model sizes `fc`; with `use_aux_hidden_state: true`) in vLLM's convention:
+hf_dspark id + 1. Without them vLLM falls back to its defaults and warns "Acceptance will be low".
 
-Import: a `LlamaForCausalLMEagle3` / `Eagle3LlamaForCausalLM` folder with `midlayer.*` or `layers.0.*` keys
-(vLLM's and SGLang's exports alike) reads back through this module; block drafts read through deepspec.py.
+Import: a `LlamaForCausalLMEagle3` / `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM` folder with
+`midlayer.*` or `layers.0.*` keys reads back through this module with vLLM's layer ids (hf_dspark's own SGLang
+exports read through sglang.py, with SGLang's); block drafts read through deepspec.py.
 """
 
 from __future__ import annotations
@@ -34,10 +38,12 @@ from .base import (
 )
 from .deepspec import DeepSpecFormat, block_reasons
 from .llama_eagle3 import (
-    LAYER_CONVENTION,
+    LAYER_CONVENTIONS,
     LLAMA_EAGLE3_ARCHITECTURES,
+    aux_layer_ids,
     consumer_layer_ids,
     eagle3_from_llama,
+    layer_model_type,
     llama_eagle3_config,
     llama_eagle3_reasons,
     llama_eagle3_spec,
@@ -45,7 +51,8 @@ from .llama_eagle3 import (
     read_llama_eagle3,
 )
 
-VLLM_EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The vLLM class each Eagle3 layer flavour loads as (vllm/model_executor/models/registry.py, 0.33.0).
+VLLM_EAGLE3_ARCHITECTURES = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}
 BLOCK_CONVENTION = f"hf_dspark/DeepSpec convention ({OUR_LAYER_CONVENTION}); vLLM adds 1 internally"
 
 
@@ -56,6 +63,7 @@ def vllm_serve_command(target: str, method: str, model: str, num_tokens: int, ex
 
 class VllmFormat(DraftFormat):
     name = "vllm"
+    checked_against = "vLLM 0.33.0 (registry.py, qwen3_dspark.py, llama_eagle3.py, qwen3_eagle3.py, gpu_model_runner)"
     consumer = "vLLM (`--speculative-config`, methods dspark / eagle3)"
 
     def why_not(self, draft) -> str | None:
@@ -88,16 +96,19 @@ class VllmFormat(DraftFormat):
             if cfg.model_type == "dflash":
                 notes.append("DFlash is written as Qwen3DSparkModel with markov_rank 0 (DeepSpec's layout), not as "
                              "DFlashDraftModel, whose slot convention differs")
+                # qwen3_dspark.py builds DSparkMarkovHead(V, V, markov_rank) unconditionally: with rank 0 its
+                # bias is a zero-width product (zeros), and load_weights does not require markov weights.
+                notes.append("vLLM builds its Markov head with rank 0 for this draft (a zero bias); not yet run on "
+                             "a GPU")
         else:
-            arch = VLLM_EAGLE3_ARCHITECTURE
+            arch = VLLM_EAGLE3_ARCHITECTURES[layer_model_type(cfg)]
             config = llama_eagle3_config(cfg, arch)
-            ids = consumer_layer_ids(cfg)
+            ids = consumer_layer_ids(cfg, "vllm")
             config["eagle_aux_hidden_state_layer_ids"] = ids
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
-            tensors = llama_eagle3_tensors(draft_tensors(draft), "layers.0.", False, cfg.vocab_size)
-            spec = llama_eagle3_spec(config, "layers.0.", vocab_maps=False)
-            check_tensors(tensors, spec, "the vllm export", ExportError)
-            convention = LAYER_CONVENTION
+            tensors = llama_eagle3_tensors(draft_tensors(draft), "layers.0.")
+            check_tensors(tensors, llama_eagle3_spec(config, "layers.0."), "the vllm export", ExportError)
+            convention = LAYER_CONVENTIONS["vllm"]
             serve = vllm_serve_command(target, "eagle3", str(output_dir), num_tokens)
             notes = ["full vocabulary: draft_vocab_size = vocab_size, no d2t/t2d"]
         lost = config_diff(cfg, self.config_from(config))
@@ -114,13 +125,11 @@ class VllmFormat(DraftFormat):
     def config_from(self, c: dict):
         if DeepSpecFormat.detect(c):
             return DeepSpecFormat().config_from(c)
-        eagle = c.get("eagle_config") or {}
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or c.get("eagle_aux_hidden_state_layer_ids")
-        return eagle3_from_llama(c, ids)
+        return eagle3_from_llama(c, aux_layer_ids(c))
 
     def read(self, c: dict, tensors: dict) -> tuple:
         config = self.config_from(c)
         return apply_export_meta(config, c), read_llama_eagle3(c, tensors, "this Llama-Eagle3 checkpoint")
 
 
-__all__ = ["VllmFormat", "VLLM_EAGLE3_ARCHITECTURE", "vllm_serve_command"]
+__all__ = ["VllmFormat", "VLLM_EAGLE3_ARCHITECTURES", "vllm_serve_command"]
