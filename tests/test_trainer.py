@@ -261,3 +261,18 @@ def test_empty_untokenized_or_featureless_data_is_refused(tmp_path):
         DraftTrainer(model=draft, args=make_args(tmp_path), train_dataset=chats, target_model=target)
     with pytest.raises(ValueError, match="pass target_model"):
         DraftTrainer(model=draft, args=make_args(tmp_path), train_dataset=tokenized_rows())
+
+
+def test_bf16_training_runs_the_loss_in_bf16(tmp_path, monkeypatch):
+    """The vocabulary-wide loss runs after model.forward, outside accelerate's autocast: the trainer must put it
+    under the same autocast, or its matmuls silently run in the float32 master weights' dtype."""
+    from hf_dspark.training import losses as losses_module
+
+    seen = []
+    original = losses_module._compute_dtype
+    monkeypatch.setattr(losses_module, "_compute_dtype", lambda t, w: seen.append(original(t, w)) or seen[-1])
+    target = make_tiny_target("llama")
+    trainer = DraftTrainer(args=make_args(tmp_path, bf16=True, max_steps=1), train_dataset=tokenized_rows(),
+                           target_model=target)  # fmt: skip
+    trainer.train()
+    assert seen and all(dtype == torch.bfloat16 for dtype in seen), seen
