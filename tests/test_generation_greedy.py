@@ -16,10 +16,19 @@ def _batch():
     return left_padded(PROMPTS)
 
 
+def _target(family: str, attention: str):
+    """A tiny target with the given attention implementation (the verification mask is built per implementation)."""
+    target = make_tiny_target(family)
+    if attention != "eager":
+        target.set_attn_implementation(attention)
+    return target
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
-def test_greedy_matches_target_generate(family, drafter):
-    target = make_tiny_target(family)
+def test_greedy_matches_target_generate(family, drafter, attention):
+    target = _target(family, attention)
     draft = make_draft(drafter, target)
     ids, mask = _batch()
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
@@ -43,9 +52,9 @@ def test_sliding_window_target_is_decoded_row_by_row_and_matches():
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_long_accepted_blocks_with_rows_accepting_different_lengths(family):
-    target = make_tiny_target(family)
+@pytest.mark.parametrize("family,attention", [("llama", "eager"), ("llama", "sdpa"), ("gemma3", "eager")])
+def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, attention):
+    target = _target(family, attention)
     draft = make_draft("dflash", target, block_size=6)
     ids, mask = _batch()
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)

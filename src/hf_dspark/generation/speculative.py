@@ -294,7 +294,10 @@ def speculative_generate(
     decoder = _Decoder(model, draft, logits_processor, stopping_criteria, generation_config, config, streamer)
     if any(getattr(cache, "is_linear", ()) or ()):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, which cannot be rolled back")
-    row_by_row = batch > 1 and any(getattr(cache, "is_sliding", ()) or ())
+    sliding = any(getattr(cache, "is_sliding", ()) or ())
+    row_by_row = batch > 1 and sliding
+    if sliding:
+        decoder.mask_4d = None  # one 4D mask would override the sliding layers' own windows
     try:
         if row_by_row:
             for row in range(batch):
@@ -365,6 +368,10 @@ class _Decoder:
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.sps_table = None
+        # A ready 4D verification mask where the attention implementation takes one (see _verify_mask).
+        impl = getattr(model.config, "_attn_implementation", None)
+        self.mask_4d = {"sdpa": "bool", "eager": "additive"}.get(impl)
+        self.mask_dtype = next(model.parameters()).dtype
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -389,6 +396,8 @@ class _Decoder:
         self.buffer = torch.full((batch, width), self.pad_id, dtype=torch.long, device=input_ids.device)
         self.buffer[:, :prompt] = input_ids
         self.lengths = [0] * batch
+        # Device mirror of `lengths`, advanced by the commit on the device: no host-to-device copy per round.
+        self.lengths_t = torch.zeros(batch, dtype=torch.long, device=input_ids.device)
         self.row_scores = [[] for _ in range(batch)]
         self.row_logits = [[] for _ in range(batch)]
         self.stats.batch_size = batch
@@ -435,28 +444,30 @@ class _Decoder:
     # -- commits -------------------------------------------------------------------------------------------
 
     def _commit(self, rows: torch.Tensor, row_ids: list[int], new_tokens: torch.Tensor, counts: torch.Tensor,
-                scores: torch.Tensor | None, raw: torch.Tensor | None) -> tuple[list[int], list[bool]]:
+                scores: torch.Tensor | None, raw: torch.Tensor | None,
+                extra: tuple[torch.Tensor, ...] = ()) -> tuple[list[int], list[bool], list[list[int]]]:
         """Write new_tokens [R, c] (counts [R] of them per row) after each row's sequence, cutting at the first
-        stop. Returns (committed counts, finished flags) on the host."""
+        stop. Returns (committed counts, finished flags, host copies of `extra` [R] tensors) through one
+        device-to-host transfer: the round's only synchronization."""
         n_rows, width = new_tokens.shape
         device = new_tokens.device
         slot = torch.arange(width, device=device)[None, :]
-        in_count = slot < counts[:, None]
         finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
         if self.eos_ids is not None:
-            is_eos = torch.isin(new_tokens, self.eos_ids.to(device)) & in_count
+            is_eos = torch.isin(new_tokens, self.eos_ids.to(device)) & (slot < counts[:, None])
             first = torch.where(is_eos.any(-1), is_eos.long().argmax(-1) + 1, counts)
             finished |= is_eos.any(-1)
             counts = torch.minimum(counts, first)
-        start = torch.tensor([self.prompt_length + self.lengths[r] for r in row_ids], device=device)
-        cols = start[:, None] + slot
-        write = slot < counts[:, None]
-        row_index = rows[:, None].expand_as(cols)
-        self.buffer[row_index[write], cols[write]] = new_tokens[write]
-        host = torch.stack([counts, finished.long()]).tolist()
+        # Every column is written: those past a row's count lie beyond its length, where nothing reads them
+        # before they are overwritten (and output() pads them).
+        cols = self.prompt_length + self.lengths_t[rows][:, None] + slot
+        self.buffer[rows[:, None].expand_as(cols), cols] = new_tokens
+        self.lengths_t[rows] += counts
+        host = torch.stack([counts, finished.long(), *extra]).tolist()
         counts_h, finished_h = host[0], [bool(f) for f in host[1]]
         if len(self.other_criteria):
             counts_h, finished_h = self._apply_criteria(rows, row_ids, counts_h, finished_h, scores)
+            self.lengths_t[rows] += torch.tensor(counts_h, device=device) - counts  # cut at the criteria's stops
         for i, r in enumerate(row_ids):
             self.lengths[r] += counts_h[i]
             if self.lengths[r] >= self.budget:
@@ -470,7 +481,7 @@ class _Decoder:
                     self.row_logits[r].extend(raw[i, : counts_h[i]].float().unbind(0))
         if self.streamer is not None:
             self.streamer.put(new_tokens[:1, : counts_h[0]].cpu())
-        return counts_h, finished_h
+        return counts_h, finished_h, host[2:]
 
     def _apply_criteria(self, rows, row_ids, counts, finished, scores):
         """Evaluate the non-EOS stopping criteria on every committed prefix; cut each row at its first stop.
@@ -524,7 +535,7 @@ class _Decoder:
             following = torch.cat([prompt[:, 1:], first[:, None]], dim=1)  # the token after each position
             draft.extend_context(dcache, features, valid=valid, next_token_ids=following)
             del out
-            counts, finished = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
+            counts, finished, _ = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
             self.stats.prefill_time += time.perf_counter() - t0
             real = mask.sum(-1)  # real tokens of each row in the target cache (= the anchor's position)
 
@@ -569,21 +580,25 @@ class _Decoder:
         t0 = time.perf_counter()
         lengths = [self.lengths[r] for r in row_ids]
         # The bonus token is committed too: verify at most budget - generated - 1 draft tokens.
-        caps_h = [max(0, min(self.num_tokens, self.budget - n - 1)) for n in lengths]
-        caps = torch.tensor(caps_h, device=device)
-        anchors = self.buffer[rows_t, self.prompt_length + torch.tensor(lengths, device=device) - 1]
+        n_draft = max(max(0, min(self.num_tokens, self.budget - n - 1)) for n in lengths)
+        lengths_t = self.lengths_t[rows_t]
+        caps = (self.budget - 1 - lengths_t).clamp(min=0, max=self.num_tokens)
+        anchors = self.buffer[rows_t, self.prompt_length + lengths_t - 1]
         proposal = None
-        if max(caps_h) > 0:
+        if n_draft > 0:
             self.draft_processors.rows, self.draft_processors.batch_size = rows_t, self.buffer.shape[0]
             proposal = draft.propose(
                 dcache,
                 anchors,
                 sampler=self.sampler,
-                num_tokens=max(caps_h),
+                num_tokens=n_draft,
                 input_ids=self._draft_input_ids(rows_t, lengths),
             )
         verify_len = self._schedule(proposal, caps)
-        width = int(verify_len.max().item()) + 1  # host sync 1: the verification width
+        if self.config.schedule == "none":
+            width = n_draft + 1  # known on the host: every row verifies min(cap, n_draft) = its whole cap
+        else:
+            width = int(verify_len.max().item()) + 1  # confidence schedules: one extra synchronization
         t1 = time.perf_counter()
         self.stats.draft_time += t1 - t0
 
@@ -592,16 +607,14 @@ class _Decoder:
             drafts = proposal.tokens[:, : width - 1]
             window = torch.cat([window, drafts], dim=1)
             # Tentative drafts after each sequence: the target's logits processors read them.
-            start = self.prompt_length + torch.tensor(lengths, device=device)
-            cols = start[:, None] + torch.arange(width - 1, device=device)
+            cols = self.prompt_length + lengths_t[:, None] + torch.arange(width - 1, device=device)
             self.buffer[rows_t[:, None].expand_as(cols), cols] = drafts
         slot = torch.arange(width, device=device)[None, :]
         window_valid = slot <= verify_len[:, None]
-        positions = real[:, None] + slot
         out = model(
             input_ids=window,
-            attention_mask=torch.cat([mask, window_valid.long()], dim=1),
-            position_ids=positions,
+            attention_mask=self._verify_mask(mask, window_valid),
+            position_ids=real[:, None] + slot,
             use_cache=True,
             logits_to_keep=width,
             **cache_kw,
@@ -620,25 +633,52 @@ class _Decoder:
         # new_tokens[:, j] = the token after window position j: x_{j+1} while accepted, then the new token.
         new_tokens = torch.cat([window[:, 1:], window[:, :1]], dim=1)
         new_tokens = new_tokens.scatter(1, accepted[:, None], result.next_tokens[:, None])
-        counts, finished = self._commit(rows_t, row_ids, new_tokens, accepted + 1, scores, raw)  # host sync 2
+        confidences = None
+        if proposal is not None and proposal.confidences is not None:
+            # Queued before the commit's synchronization, so it has arrived when the commit returns.
+            confidences = proposal.confidences.to("cpu", non_blocking=True)
+        counts, finished, (accepted_h, verify_h) = self._commit(
+            rows_t, row_ids, new_tokens, accepted + 1, scores, raw, extra=(accepted, verify_len)
+        )
         t2 = time.perf_counter()
         self.stats.verify_time += t2 - t1
-        confidences = None if proposal is None else proposal.confidences
-        accepted_h = accepted.tolist()
-        self.stats.acceptance.add_round(verify_len.tolist(), accepted_h, confidences, committed=counts)
+        self.stats.acceptance.add_round(verify_h, accepted_h, confidences, committed=counts)
 
         # Roll the target cache back to the longest committed prefix among continuing rows; others keep holes.
         continuing = [i for i, f in enumerate(finished) if not f]
         keep = max(accepted_h[i] + 1 for i in (continuing or range(n_rows)))
         cache = cache_kw[self.cache_kwarg]
-        cache.crop(-(width - keep))
+        if keep < width:
+            cache.crop(-(width - keep))
         committed = slot[:, :keep] <= accepted[:, None]
         mask = torch.cat([mask, committed.long()], dim=1)
         real = real + accepted + 1
         if continuing:
-            draft.extend_context(dcache, hooks.features, valid=slot <= accepted[:, None], next_token_ids=new_tokens)
+            draft.extend_context(
+                dcache, hooks.features, valid=slot <= accepted[:, None], next_token_ids=new_tokens,
+                max_committed=max(accepted_h) + 1,
+            )  # fmt: skip
             self.stats.draft_time += time.perf_counter() - t2  # context K/V of the committed positions
         return counts, finished, mask, real
+
+    def _verify_mask(self, mask: torch.Tensor, window_valid: torch.Tensor) -> torch.Tensor:
+        """The verification forward's attention mask.
+
+        Where the target's attention takes a ready 4D mask (sdpa, eager) and no layer has a sliding window, build
+        it here: the committed keys (holes masked) plus a causal block over the window. transformers then skips
+        its own mask construction (which reads the 2D mask back to the host to look for padding); a window slot
+        past a row's verified length is attended only by later, equally unverified slots. Otherwise the 2D mask.
+        """
+        if self.mask_4d is None:
+            return torch.cat([mask, window_valid.long()], dim=1)
+        rows, width = window_valid.shape
+        past = mask.bool()[:, None, None, :].expand(rows, 1, width, mask.shape[1])
+        causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
+        full = torch.cat([past, causal[None, None].expand(rows, 1, width, width)], dim=-1)
+        if self.mask_4d == "bool":
+            return full
+        additive = torch.zeros(full.shape, dtype=self.mask_dtype, device=full.device)
+        return additive.masked_fill_(~full, torch.finfo(self.mask_dtype).min)
 
     # -- output --------------------------------------------------------------------------------------------
 

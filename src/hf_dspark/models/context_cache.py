@@ -4,6 +4,10 @@ It holds, for every request of a batch, the draft's keys/values of the *committe
 target's context features projected through each draft layer; for Eagle3 the step-0 entries). Requests have
 their own lengths: rows are packed to the left, so position i of a row is its i-th committed token whatever
 padding the target batch uses. Speculative tokens never enter the cache, so it needs no cropping.
+
+No host synchronization: `bound` is a host-side upper bound of the longest row (it grows by each write's width),
+so attention reads `[:bound]` keys under `key_mask`, and writes scatter every column of a write (columns past a
+row's count land beyond its new length, masked out and overwritten by the next write).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class DraftContextCache:
         self.keys = [torch.zeros(self._shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.values = [torch.zeros(self._shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.bound = 0  # host-side upper bound of lengths.max()
         # Drafter-specific per-request state (Eagle3 keeps the hidden state of the last committed position).
         self.state: dict[str, Any] = {}
 
@@ -43,7 +48,8 @@ class DraftContextCache:
 
     @property
     def max_length(self) -> int:
-        return int(self.lengths.max().item()) if self.batch_size else 0
+        """Keys to attend over: an upper bound of the longest row (exact when every row commits alike)."""
+        return self.bound if self.batch_size else 0
 
     def _grow(self, needed: int) -> None:
         if needed <= self.capacity:
@@ -60,16 +66,20 @@ class DraftContextCache:
         return self.lengths[:, None] + offsets, offsets[None, :] < counts[:, None]
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor) -> None:
-        """Store the first `counts[r]` entries of key/value [B, KV, width, hd] after each row's committed ones."""
+        """Store the first `counts[r]` entries of key/value [B, KV, width, hd] after each row's committed ones
+        (left-packed: entries past a row's count are written too, beyond its new length, where nothing reads them)."""
         width = key.shape[2]
-        self._grow(int((self.lengths + counts).max().item()) if self.batch_size else 0)
-        positions, real = self.slots(counts, width)
+        self._grow(self.bound + width)
+        positions = self.lengths[:, None] + torch.arange(width, device=self.device)
         rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(positions)
-        self.keys[layer][rows[real], :, positions[real]] = key.transpose(1, 2)[real].to(self.keys[layer].dtype)
-        self.values[layer][rows[real], :, positions[real]] = value.transpose(1, 2)[real].to(self.values[layer].dtype)
+        self.keys[layer][rows, :, positions] = key.transpose(1, 2).to(self.keys[layer].dtype)
+        self.values[layer][rows, :, positions] = value.transpose(1, 2).to(self.values[layer].dtype)
 
-    def advance(self, counts: torch.Tensor) -> None:
+    def advance(self, counts: torch.Tensor, width: int | None = None) -> None:
+        """Add counts [B] committed entries to each row; `width` (>= counts.max(), known on the host) keeps the
+        bound without reading counts back from the device."""
         self.lengths += counts
+        self.bound += int(counts.max().item()) if width is None else int(width)
 
     def layer_kv(self, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         length = self.max_length if length is None else length
@@ -85,7 +95,7 @@ class DraftContextCache:
         self.keys = [k[rows] for k in self.keys]
         self.values = [v[rows] for v in self.values]
         self.lengths = self.lengths[rows]
-        self.batch_size = int(self.lengths.shape[0])
+        self.batch_size = int(self.lengths.shape[0])  # the bound stays an upper bound
         self.state = {k: (v[rows] if torch.is_tensor(v) else v) for k, v in self.state.items()}
         return self
 

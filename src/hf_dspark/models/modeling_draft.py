@@ -306,17 +306,23 @@ class DraftPreTrainedModel(PreTrainedModel):
         context_features: torch.Tensor,
         valid: torch.Tensor | None = None,
         next_token_ids: torch.Tensor | None = None,
+        max_committed: int | None = None,
     ) -> None:
         """Append newly committed positions to each request's context.
 
         context_features [R, t, m * d_target]: the target's features of the positions it just processed;
         valid bool [R, t]: which of them are committed (default: all), in order; next_token_ids [R, t]: the token
-        that follows each position (Eagle3 needs it; block drafters ignore it).
+        that follows each position (Eagle3 needs it; block drafters ignore it); max_committed: the host's copy of
+        valid.sum(1).max(), when the caller knows it (saves a device round trip).
         """
         if valid is None:
             valid = torch.ones(context_features.shape[:2], dtype=torch.bool, device=context_features.device)
+            max_committed = context_features.shape[1]
         features, counts = pack_left(context_features, valid)
-        width = int(counts.max().item()) if counts.numel() else 0
+        if max_committed is not None:
+            width = int(max_committed)
+        else:
+            width = int(counts.max().item()) if counts.numel() else 0
         if width == 0:
             return
         next_ids = None if next_token_ids is None else pack_left(next_token_ids, valid)[0][:, :width]

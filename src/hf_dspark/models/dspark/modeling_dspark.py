@@ -188,7 +188,7 @@ class DSparkModel(DraftPreTrainedModel):
         for i, layer in enumerate(self.layers):
             key, value = layer.context_kv(context, cos, sin)
             cache.write(i, key, value, counts)
-        cache.advance(counts)
+        cache.advance(counts, features.shape[1])
 
     def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
         cfg = self.config

@@ -165,7 +165,7 @@ class Eagle3Model(DraftPreTrainedModel):
             new_last = torch.where((counts > 0)[:, None], new_last, previous)
         cache.state["last_hidden"] = new_last
         cache.write(0, key, value, counts)
-        cache.advance(counts)
+        cache.advance(counts, width)
 
     def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
         if "last_hidden" not in cache.state:
