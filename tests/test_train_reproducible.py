@@ -41,44 +41,52 @@ def flags(root: Path, output: str, seed: int = 0, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def start(root: Path, args: list[str]) -> subprocess.Popen:
+def start(root: Path, args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(root / "hf_datasets"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
-    return subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    with open(log, "w") as out:  # a file, not a pipe: an unread pipe could stall the run
+        return subprocess.Popen([sys.executable, str(EXAMPLE), *args], env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def run(root: Path, args: list[str]) -> str:
-    process = start(root, args)
-    out, _ = process.communicate(timeout=300)
+    log = root / "run.log"
+    process = start(root, args, log)
+    process.wait(timeout=300)
+    out = log.read_text()
     assert process.returncode == 0, out[-6000:]
     return out
 
 
-def run_killed_after_first_checkpoint(root: Path, args: list[str]) -> Path:
-    """Start a run and SIGKILL it as soon as a checkpoint is complete (its trainer_state.json, written last,
-    parses). Returns the checkpoint that was complete when the kill was sent."""
+def run_killed_after_first_checkpoint(root: Path, args: list[str]) -> str:
+    """Start a run and SIGKILL it as soon as its first checkpoint is complete (its trainer_state.json, written
+    last, parses); then the newest complete checkpoint is where a resume starts: returns its folder."""
+    from hf_dspark.training.checkpoints import last_complete_checkpoint
+
     output_dir = Path(args[args.index("--output_dir") + 1])
     state_file = output_dir / f"checkpoint-{SAVE_STEPS}" / "trainer_state.json"
-    process = start(root, args)
-    deadline = time.monotonic() + 300
+    log = root / "killed.log"
+    process = start(root, args, log)
     try:
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline and process.poll() is None:
             try:
                 json.loads(state_file.read_text())
                 break
             except (OSError, ValueError):
                 time.sleep(0.002)
-        assert process.poll() is None, "the run ended before it could be killed:\n" + process.communicate()[0][-4000:]
+        assert process.poll() is None, "the run ended before it could be killed:\n" + log.read_text()[-4000:]
         os.kill(process.pid, signal.SIGKILL)
     finally:
-        if process.poll() is None:
-            process.wait(timeout=60)
-        process.stdout.close()
+        process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
     assert not (output_dir / "model.safetensors").exists()  # killed before the end, not after
-    return state_file.parent
+    resume_from = last_complete_checkpoint(output_dir)
+    assert resume_from is not None and not resume_from.endswith(f"checkpoint-{MAX_STEPS}")
+    return resume_from
+
+
+def steps_logged(out: str) -> int:
+    return sum(line.startswith("{'loss'") for line in out.splitlines())
 
 
 def logged_losses(output_dir: Path) -> list[dict]:
@@ -125,9 +133,10 @@ def test_the_same_seed_gives_the_same_run_bit_for_bit(setup, uninterrupted):
 @pytest.mark.slow
 def test_a_run_killed_after_a_checkpoint_resumes_into_the_same_run(setup, uninterrupted):
     args = flags(setup, "killed")
-    run_killed_after_first_checkpoint(setup, args)
+    resume_from = run_killed_after_first_checkpoint(setup, args)
     out = run(setup, [*args, "--resume_from_checkpoint", "true"])
     assert "draft saved to" in out
+    assert steps_logged(out) == MAX_STEPS - int(resume_from.rsplit("-", 1)[1])  # it resumed, it did not restart
     assert logged_losses(setup / "killed") == logged_losses(uninterrupted)
     assert_same_weights(setup / "killed", uninterrupted)
 
@@ -138,8 +147,9 @@ def test_a_run_from_a_target_cache_killed_after_a_checkpoint_resumes_into_the_sa
     run(setup, flags(setup, "cached", 0, *cache))
     assert json.loads((setup / "cache" / "train" / "manifest.json").read_text())["complete"]
     args = flags(setup, "cached_killed", 0, *cache)
-    run_killed_after_first_checkpoint(setup, args)
-    run(setup, [*args, "--resume_from_checkpoint", "true"])
+    resume_from = run_killed_after_first_checkpoint(setup, args)
+    out = run(setup, [*args, "--resume_from_checkpoint", "true"])
+    assert steps_logged(out) == MAX_STEPS - int(resume_from.rsplit("-", 1)[1])
     assert logged_losses(setup / "cached_killed") == logged_losses(setup / "cached")
     assert_same_weights(setup / "cached_killed", setup / "cached")
 
