@@ -216,3 +216,34 @@ def test_a_checkpoint_without_optimizer_or_scheduler_state_is_incomplete(uninter
     assert checkpoint_problem(folder, needs_optimizer=False) is None  # save_only_model checkpoints
     (folder / "model.safetensors").unlink()
     assert checkpoint_problem(folder, needs_optimizer=False) == "it has no model weights"
+
+
+# -- seed vs data_seed --------------------------------------------------------------------------------------------
+
+
+def test_seed_fixes_the_draft_and_data_seed_the_data_order_and_anchors(tmp_path):
+    import torch
+    from conftest import make_tiny_target
+    from test_trainer import make_args, tokenized_rows, trainable_state
+
+    from hf_dspark.training import DraftTrainer
+
+    target, rows = make_tiny_target("llama"), tokenized_rows(16)
+
+    def trainer(seed, data_seed):
+        args = make_args(tmp_path / f"{seed}-{data_seed}", seed=seed, data_seed=data_seed)
+        return DraftTrainer(args=args, train_dataset=rows, target_model=target)
+
+    def data_order(t):
+        return [batch["input_ids"].tolist() for batch in t.get_train_dataloader()]
+
+    def anchor_draws(t):
+        batch = next(iter(t.get_train_dataloader()))
+        return torch.randint(0, 1000, (8,), generator=t._anchor_generator("train", batch)).tolist()
+
+    base, other_seed, other_data = trainer(1, 5), trainer(2, 5), trainer(1, 6)
+    assert data_order(base) == data_order(other_seed) != data_order(other_data)
+    assert anchor_draws(base) == anchor_draws(other_seed) != anchor_draws(other_data)
+    first, second, third = (trainable_state(t.model) for t in (base, other_seed, other_data))
+    assert all(first[name].equal(third[name]) for name in first)
+    assert not all(first[name].equal(second[name]) for name in first)
