@@ -34,9 +34,9 @@ def setup(tmp_path_factory):
 def flags(root: Path, output: str, seed: int = 0, *extra: str) -> list[str]:
     return [
         "--target_model", str(root / "target"), "--train_file", str(root / "chats.jsonl"), "--algorithm", "dspark",
-        "--num_hidden_layers", "1", "--block_size", "4", "--num_anchors", "4", "--max_length", "128", "--output_dir", str(root / output),
-        "--max_steps", str(MAX_STEPS), "--save_steps", str(SAVE_STEPS), "--per_device_train_batch_size", "4",
-        "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
+        "--num_hidden_layers", "1", "--block_size", "4", "--num_anchors", "4", "--max_length", "128",
+        "--output_dir", str(root / output), "--max_steps", str(MAX_STEPS), "--save_steps", str(SAVE_STEPS),
+        "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
         "--seed", str(seed), "--disable_tqdm", "true", *extra,
     ]  # fmt: skip
 
@@ -199,7 +199,8 @@ def test_resume_never_takes_an_interrupted_checkpoint_for_a_complete_one(uninter
         resolve_resume_checkpoint(str(newest), output_dir)
 
     damage(older, how)
-    with pytest.raises(ValueError, match="no complete checkpoint-.* \\(only incomplete ones: checkpoint-8, checkpoint-4\\)"):
+    only_incomplete = "no complete checkpoint-.* \\(only incomplete ones: checkpoint-8, checkpoint-4\\)"
+    with pytest.raises(ValueError, match=only_incomplete):
         resolve_resume_checkpoint(True, output_dir)
 
 

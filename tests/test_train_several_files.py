@@ -29,8 +29,9 @@ def response_rows(name: str, count: int, offset: int) -> list[dict]:
     for i in range(offset, offset + count):
         answer = f"Sure. {i} times 3 is {3 * i}, because adding {i} three times gives {3 * i}."
         messages = [{"role": "user", "content": f"What is {i} times 3?"}, {"role": "assistant", "content": answer}]
+        finish = "length" if i % 4 == 0 else "stop"
         rows.append({"id": f"row-{i}", "source": "synthetic", "domain": "math", "messages": messages,
-                     "finish": "length" if i % 4 == 0 else "stop", "prompt_tokens": 9, "completion_tokens": 25})  # fmt: skip
+                     "finish": finish, "prompt_tokens": 9, "completion_tokens": 25})  # fmt: skip
     return rows
 
 
@@ -80,7 +81,8 @@ def test_a_column_only_some_files_have_is_kept(tmp_path):
     # regenerate_responses writes `finish`; hand-written chats do not. Rows cut at the limit must stay marked.
     with_finish = write_gz(tmp_path / "a.jsonl.gz", response_rows(RESPONSES[0], 3, 0))
     plain = tmp_path / "b.jsonl"
-    plain.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    plain.write_text(json.dumps({"messages": messages}) + "\n")
     both = load_conversations([with_finish, plain], cache_dir=str(tmp_path / "hf"))
     assert both["finish"][:3] == [row["finish"] for row in response_rows(RESPONSES[0], 3, 0)]
     assert both["finish"][3] is None and both["messages"][3][1]["content"] == "hello"
@@ -146,7 +148,8 @@ def test_build_cache_takes_several_files_and_a_glob(parts, tiny_target, tmp_path
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
     common = ["--target", str(tiny_target), "--torch-dtype", "float32", "--device", "cpu", "--max-length", "128",
               "--min-loss-tokens", "1", "--target-layer-ids", "0,1", "--batch-size", "4"]  # fmt: skip
-    assert main(["build-cache", "--data", str(first), str(second), "--output-dir", str(tmp_path / "files"), *common]) == 0
+    files = ["--data", str(first), str(second), "--output-dir", str(tmp_path / "files")]
+    assert main(["build-cache", *files, *common]) == 0
     pattern = os.path.join(str(root), "data", "part-*.jsonl.gz")
     assert main(["build-cache", "--data", pattern, "--output-dir", str(tmp_path / "glob"), *common]) == 0
     for output in ("files", "glob"):
