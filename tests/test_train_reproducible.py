@@ -36,8 +36,8 @@ def flags(root: Path, output: str, seed: int = 0, *extra: str) -> list[str]:
         "--target_model", str(root / "target"), "--train_file", str(root / "chats.jsonl"), "--algorithm", "dspark",
         "--num_hidden_layers", "1", "--block_size", "4", "--num_anchors", "4", "--max_length", "128",
         "--output_dir", str(root / output), "--max_steps", str(MAX_STEPS), "--save_steps", str(SAVE_STEPS),
-        "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--logging_steps", "1", "--report_to", "none", "--use_cpu",
-        "--seed", str(seed), "--disable_tqdm", "true", *extra,
+        "--per_device_train_batch_size", "4", "--learning_rate", "1e-3", "--logging_steps", "1",
+        "--report_to", "none", "--use_cpu", "--seed", str(seed), "--disable_tqdm", "true", *extra,
     ]  # fmt: skip
 
 
