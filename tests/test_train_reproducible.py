@@ -134,8 +134,15 @@ def test_the_same_seed_gives_the_same_run_bit_for_bit(setup, uninterrupted):
 def test_a_run_killed_after_a_checkpoint_resumes_into_the_same_run(setup, uninterrupted):
     args = flags(setup, "killed")
     resume_from = run_killed_after_first_checkpoint(setup, args)
+    # The next save cut off while writing its weights (unless the kill already left one like it).
+    cut = setup / "killed" / f"checkpoint-{MAX_STEPS}"
+    if not cut.exists():
+        cut.mkdir()
+        weights = (Path(resume_from) / "model.safetensors").read_bytes()
+        (cut / "model.safetensors").write_bytes(weights[: len(weights) // 3])
     out = run(setup, [*args, "--resume_from_checkpoint", "true"])
     assert "draft saved to" in out
+    assert f"skipping {cut}: " in out  # says which folder it did not trust
     assert steps_logged(out) == MAX_STEPS - int(resume_from.rsplit("-", 1)[1])  # it resumed, it did not restart
     assert logged_losses(setup / "killed") == logged_losses(uninterrupted)
     assert_same_weights(setup / "killed", uninterrupted)
@@ -248,3 +255,11 @@ def test_seed_fixes_the_draft_and_data_seed_the_data_order_and_anchors(tmp_path)
     first, second, third = (trainable_state(t.model) for t in (base, other_seed, other_data))
     assert all(first[name].equal(third[name]) for name in first)
     assert not all(first[name].equal(second[name]) for name in first)
+
+
+def test_resuming_from_a_missing_folder_says_so(tmp_path):
+    from hf_dspark.training.checkpoints import resolve_resume_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="checkpoint-3: it does not exist"):
+        resolve_resume_checkpoint(str(tmp_path / "checkpoint-3"), tmp_path)
+    assert resolve_resume_checkpoint(None, tmp_path) is None and resolve_resume_checkpoint(False, tmp_path) is None

@@ -34,6 +34,8 @@ def checkpoint_problem(folder: str | os.PathLike, needs_optimizer: bool = True) 
     `needs_optimizer=False` accepts checkpoints written with `save_only_model=True` (weights and state only).
     """
     folder = Path(folder)
+    if not folder.exists():
+        return "it does not exist"
     if not folder.is_dir():
         return "it is not a folder"
     match = _CHECKPOINT_RE.match(folder.name)
@@ -133,6 +135,8 @@ def resolve_resume_checkpoint(
             )
         return found
     problem = checkpoint_problem(resume, needs_optimizer=needs_optimizer)
+    if problem == "it does not exist":
+        raise FileNotFoundError(f"cannot resume from {resume}: it does not exist (check the path)")
     if problem is not None:
         raise ValueError(
             f"cannot resume from {resume}: {problem}. Its save was interrupted or it is not a Trainer checkpoint: "
