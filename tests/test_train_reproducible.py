@@ -28,7 +28,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("reproducible")
     write_tiny_target(root / "target")
     write_chats(root / "chats.jsonl", 48)
-    return root
+    yield root
+    shutil.rmtree(root, ignore_errors=True)  # ~3 GB of checkpoints (the Markov head spans the vocabulary)
 
 
 def flags(root: Path, output: str, seed: int = 0, *extra: str) -> list[str]:
