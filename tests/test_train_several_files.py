@@ -155,3 +155,12 @@ def test_build_cache_takes_several_files_and_a_glob(parts, tiny_target, tmp_path
     for output in ("files", "glob"):
         manifest = json.loads((tmp_path / output / "manifest.json").read_text())
         assert manifest["complete"] and manifest["num_rows"] == 12
+
+
+def test_in_memory_datasets_mix_with_files(parts, tmp_path):
+    import datasets
+
+    _, first, _ = parts
+    extra = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}], "id": "mem-0"}])
+    both = load_conversations([extra, first], cache_dir=str(tmp_path / "hf"))
+    assert ids(both)[0] == "mem-0" and len(both) == 8

@@ -59,7 +59,7 @@ def load_conversations(
     if isinstance(source, (str, Path)) and glob.has_magic(str(source)):
         source = [source]
     if isinstance(source, (list, tuple)):
-        sources = expand_sources(source)
+        sources = _expand_globs(source)
         if len(sources) > 1:
             return _concatenate([load_conversations(s, split=split, cache_dir=cache_dir) for s in sources], sources)
         source = sources[0]
@@ -95,27 +95,25 @@ def load_conversations(
     return dataset
 
 
-def expand_sources(sources: Sequence[str | Path]) -> list[str]:
-    """Sources with globs expanded (sorted); a pattern that matches nothing is an error."""
+def _expand_globs(sources: Sequence) -> list:
+    """Sources with glob patterns replaced by their matches (sorted); a pattern that matches nothing is an error."""
     if not sources:
         raise ValueError("no conversation source given: pass at least one file, folder, glob or Hub name")
     expanded = []
     for source in sources:
-        source = str(source)
-        if not glob.has_magic(source):
+        if not isinstance(source, (str, Path)) or not glob.has_magic(str(source)):
             expanded.append(source)
             continue
-        matches = sorted(glob.glob(os.path.expanduser(source)))
+        matches = sorted(glob.glob(os.path.expanduser(str(source))))
         if not matches:
             raise FileNotFoundError(
-                f"the pattern {source!r} matches no files: check the folder and the pattern (quote it on the "
-                "command line so that the program, not the shell, expands it)"
+                f"the pattern {str(source)!r} matches no files: check its folder and file names"
             )
         expanded.extend(matches)
     return expanded
 
 
-def _concatenate(parts: list[datasets.Dataset], sources: list[str]) -> datasets.Dataset:
+def _concatenate(parts: list[datasets.Dataset], sources: list) -> datasets.Dataset:
     """One dataset from several sources. A column that only some sources have is filled with None elsewhere
     (e.g. `finish` from `regenerate_responses`), so no source loses information."""
     features = {}
@@ -131,7 +129,7 @@ def _concatenate(parts: list[datasets.Dataset], sources: list[str]) -> datasets.
     try:
         return datasets.concatenate_datasets(aligned)
     except ValueError as err:
-        detail = "; ".join(f"{src}: {dict(part.features)}" for src, part in zip(sources, parts))
+        detail = "; ".join(f"{_describe(src)}: {dict(part.features)}" for src, part in zip(sources, parts))
         raise ValueError(
             f"the conversation sources have incompatible columns ({err}); give every file the same fields with the "
             f"same types. Columns per source: {detail}"

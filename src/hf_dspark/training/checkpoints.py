@@ -50,7 +50,8 @@ def checkpoint_problem(folder: str | os.PathLike, needs_optimizer: bool = True) 
         return f"its trainer_state.json is for step {state.get('global_step')}, not {match.group(1)}"
     names = set(os.listdir(folder))
     deepspeed = any(name.startswith("global_step") and (folder / name).is_dir() for name in names)
-    if not deepspeed and not names.intersection(_WEIGHT_FILES):
+    fsdp = any(name.startswith("pytorch_model_fsdp") for name in names)
+    if not (deepspeed or fsdp) and not names.intersection(_WEIGHT_FILES):
         return "it has no model weights"
     if needs_optimizer:
         has_optimizer = (
