@@ -5,8 +5,8 @@ state, then `trainer_state.json` last, each with a plain open/write. `get_last_c
 highest-numbered `checkpoint-*` folder whatever it holds, and on resume a missing optimizer, scheduler or RNG
 file is skipped with an info log. So a run killed while saving leaves a folder that a plain resume either
 crashes on or, worse, silently resumes from with a fresh optimizer. Here a checkpoint counts as complete only
-when its `trainer_state.json` (written last) reads back for the folder's own step and every file the resume
-loads is present and whole.
+when its `trainer_state.json` (written last) reads back for the folder's own step, its weights, optimizer and
+scheduler state are there, and no safetensors or torch.save file in it is cut off.
 """
 
 from __future__ import annotations
