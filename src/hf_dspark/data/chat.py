@@ -14,11 +14,14 @@ any template whose rendering of a prefix of the conversation is a prefix of the 
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +45,24 @@ DROP_REASONS = {
 
 
 def load_conversations(
-    source: str | Path | datasets.Dataset | datasets.DatasetDict,
+    source: str | Path | datasets.Dataset | datasets.DatasetDict | Sequence[str | Path],
     split: str = "train",
     cache_dir: str | None = None,
 ) -> datasets.Dataset:
     """Load chat conversations as a `datasets.Dataset` with a `messages` column.
 
     `source` is a JSON/JSONL file (optionally gzipped) of `{"messages": [{"role", "content"}, ...], ...}` rows,
-    a folder written by `save_to_disk`, an in-memory `Dataset`/`DatasetDict`, or a Hub dataset name.
+    a folder written by `save_to_disk`, an in-memory `Dataset`/`DatasetDict`, or a Hub dataset name; or a list
+    of these, or a glob such as "data/*.jsonl.gz" (matches in sorted order). Several sources are concatenated in
+    the order given.
     """
+    if isinstance(source, (str, Path)) and glob.has_magic(str(source)):
+        source = [source]
+    if isinstance(source, (list, tuple)):
+        sources = _expand_globs(source)
+        if len(sources) > 1:
+            return _concatenate([load_conversations(s, split=split, cache_dir=cache_dir) for s in sources], sources)
+        source = sources[0]
     if isinstance(source, datasets.DatasetDict):
         dataset = _pick_split(source, split, "the DatasetDict")
     elif isinstance(source, datasets.Dataset):
@@ -81,6 +93,47 @@ def load_conversations(
     if len(dataset) == 0:
         raise ValueError(f"the conversation source {_describe(source)} has no rows")
     return dataset
+
+
+def _expand_globs(sources: Sequence) -> list:
+    """Sources with glob patterns replaced by their matches (sorted); a pattern that matches nothing is an error."""
+    if not sources:
+        raise ValueError("no conversation source given: pass at least one file, folder, glob or Hub name")
+    expanded = []
+    for source in sources:
+        if not isinstance(source, (str, Path)) or not glob.has_magic(str(source)):
+            expanded.append(source)
+            continue
+        matches = sorted(glob.glob(os.path.expanduser(str(source))))
+        if not matches:
+            raise FileNotFoundError(
+                f"the pattern {str(source)!r} matches no files: check its folder and file names"
+            )
+        expanded.extend(matches)
+    return expanded
+
+
+def _concatenate(parts: list[datasets.Dataset], sources: list) -> datasets.Dataset:
+    """One dataset from several sources. A column that only some sources have is filled with None elsewhere
+    (e.g. `finish` from `regenerate_responses`), so no source loses information."""
+    features = {}
+    for part in parts:
+        for name, feature in part.features.items():
+            features.setdefault(name, feature)
+    aligned = []
+    for part in parts:
+        for name, feature in features.items():
+            if name not in part.column_names:
+                part = part.add_column(name, [None] * len(part), feature=feature)
+        aligned.append(part.select_columns(list(features)))
+    try:
+        return datasets.concatenate_datasets(aligned)
+    except ValueError as err:
+        detail = "; ".join(f"{_describe(src)}: {dict(part.features)}" for src, part in zip(sources, parts))
+        raise ValueError(
+            f"the conversation sources have incompatible columns ({err}); give every file the same fields with the "
+            f"same types. Columns per source: {detail}"
+        ) from err
 
 
 def _describe(source) -> str:

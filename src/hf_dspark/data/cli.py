@@ -33,7 +33,13 @@ def register(subparsers) -> None:
         "features and final hidden states. Resumable; under `accelerate launch` processes build disjoint shards.",
     )
     _target_args(cache)
-    cache.add_argument("--data", required=True, help="conversations: JSON/JSONL(.gz), save_to_disk folder or Hub name")
+    cache.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        help="conversations: JSON/JSONL(.gz) files (several, or a quoted glob such as 'data/*.jsonl.gz'), a "
+        "save_to_disk folder or a Hub name",
+    )
     cache.add_argument("--split", default="train")
     cache.add_argument("--output-dir", required=True)
     cache.add_argument("--max-length", type=int, default=2048)

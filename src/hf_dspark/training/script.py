@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .arguments import DraftTrainingArguments
-from .trainer import DraftTrainer, build_draft
+from .trainer import DraftTrainer, build_draft, data_seed, seed_run
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,11 @@ logger = logging.getLogger(__name__)
 class DraftScriptArguments:
     """Where the data and the target come from (the draft and training fields are in DraftTrainingArguments)."""
 
-    train_file: str = field(
-        metadata={"help": "Conversations: JSON/JSONL(.gz) of {'messages': [...]} rows, a saved dataset or a Hub name."}
+    train_file: list[str] = field(
+        metadata={
+            "help": "Conversations: JSON/JSONL(.gz) files of {'messages': [...]} rows (several, or a quoted glob such "
+            "as 'data/*.jsonl.gz'), a saved dataset or a Hub name."
+        }
     )
     target_model: str | None = field(
         default=None, metadata={"help": "Target model folder or Hub name (default: embedded SmolLM2-135M-Instruct)."}
@@ -38,6 +41,10 @@ class DraftScriptArguments:
     target_dtype: str | None = field(
         default=None, metadata={"help": "Target weights: float32, bfloat16 or float16 (default: bfloat16 with --bf16)."}
     )
+
+    def __post_init__(self):
+        if isinstance(self.train_file, (str, Path)):  # one source given from Python
+            self.train_file = [str(self.train_file)]
 
 
 def load_target(script_args: DraftScriptArguments, training_args: DraftTrainingArguments):
@@ -59,6 +66,8 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     from ..models import drafter_classes
 
     drafter_classes(training_args.algorithm)
+    # As transformers' example scripts do: seed before anything random (the draft's initialization below).
+    seed_run(training_args)
     target, tokenizer = load_target(script_args, training_args)
     with training_args.main_process_first(desc="tokenizing conversations"):
         dataset = tokenize_conversations(
@@ -71,7 +80,7 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     if script_args.eval_rows:
         if script_args.eval_rows >= len(dataset):
             raise ValueError(f"eval_rows={script_args.eval_rows} leaves no training rows (the data has {len(dataset)})")
-        split = dataset.train_test_split(test_size=script_args.eval_rows, seed=training_args.seed)
+        split = dataset.train_test_split(test_size=script_args.eval_rows, seed=data_seed(training_args))
         dataset, eval_dataset = split["train"], split["test"]
     draft = build_draft(target, training_args)
 
@@ -108,27 +117,11 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
         eval_dataset=eval_dataset,
         target_model=online_target,
     )
-    trainer.train(resume_from_checkpoint=_resume_point(training_args))
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if eval_dataset is not None:
         trainer.log_metrics("eval", trainer.evaluate())
     return trainer
-
-
-def _resume_point(training_args: DraftTrainingArguments):
-    """`--resume_from_checkpoint true` (or "latest") means the newest checkpoint in output_dir, as Trainer's
-    `resume_from_checkpoint=True` does; a command line can only pass strings."""
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("true", "latest"):
-        from transformers.trainer_utils import get_last_checkpoint
-
-        resume = get_last_checkpoint(training_args.output_dir) if Path(training_args.output_dir).is_dir() else None
-        if resume is None:
-            raise ValueError(
-                f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: there is no checkpoint-* folder "
-                f"in {training_args.output_dir} to resume from (drop the flag to start a new run)"
-            )
-    return resume
 
 
 __all__ = ["DraftScriptArguments", "train_draft", "load_target"]

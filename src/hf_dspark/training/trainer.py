@@ -11,10 +11,11 @@ Online mode: the frozen target is kept out of the optimizer and out of DDP/DeepS
 `compute_loss` it runs under no_grad on the training device and yields the same context features and final
 hidden states a cache stores.
 
-Anchors are sampled here, not inside the draft, from a generator on the training device seeded by (seed, global
-step, micro-step, process index): a run resumed from a checkpoint, and online vs cached training on the same
-data, see the same anchors. The number of blocks per row is min(num_anchors, T - 1), a function of the padded
-length only, so the step has no host synchronization and compiled attention kernels see few distinct shapes.
+Anchors are sampled here, not inside the draft, from a generator on the training device seeded by (data_seed or
+seed, global step, micro-step, process index): a run resumed from a checkpoint, and online vs cached training on
+the same data, see the same anchors. The number of blocks per row is min(num_anchors, T - 1), a function of the
+padded length only, so the step has no host synchronization and compiled attention kernels see few distinct
+shapes.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, set_seed
+from transformers import Trainer, enable_full_determinism, set_seed
 
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes
 from ..models.anchors import sample_anchors
 from ..target import target_features
 from .arguments import DraftTrainingArguments
+from .checkpoints import resolve_resume_checkpoint
 from .collator import DraftDataCollator
 from .losses import draft_loss
 
@@ -55,6 +57,17 @@ def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrai
         block_size=getattr(args, "block_size", None),
         **overrides,
     )
+
+
+def seed_run(args) -> None:
+    """Seed python, numpy and torch from `args.seed` as Trainer does (`full_determinism` also makes kernels
+    deterministic); called before a draft is built so that the same seed gives the same initial draft."""
+    enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
+
+
+def data_seed(args) -> int:
+    """The seed of data sampling (order, held-out split, anchor positions): `data_seed`, else `seed`."""
+    return args.data_seed if args.data_seed is not None else args.seed
 
 
 def _mix_seed(*parts: int) -> int:
@@ -104,7 +117,7 @@ class DraftTrainer(Trainer):
         if model is None:
             if target_model is None:
                 raise ValueError("DraftTrainer needs a draft `model`, or a `target_model` to build one from")
-            set_seed(args.seed)  # as Trainer does before model_init: the same seed gives the same draft
+            seed_run(args)  # as Trainer does before model_init: the same seed gives the same draft
             model = build_draft(target_model, args)
         if not isinstance(model, DraftPreTrainedModel):
             raise TypeError(
@@ -142,6 +155,14 @@ class DraftTrainer(Trainer):
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`Trainer.train`, resuming only from complete checkpoints: True (or "true"/"latest") takes the newest
+        complete one in output_dir, and an interrupted folder is an error (see `resolve_resume_checkpoint`)."""
+        resume = resolve_resume_checkpoint(
+            resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
+        )
+        return super().train(resume, *args, **kwargs)
 
     # -- the loss ---------------------------------------------------------------------------------------------
 
@@ -183,10 +204,10 @@ class DraftTrainer(Trainer):
             step = self.state.global_step
             if step != self._anchor_step:  # micro-steps of one optimizer step are counted from 0
                 self._anchor_step, self._anchor_micro = step, 0
-            seed = _mix_seed(self.args.seed, step, self._anchor_micro, self.args.process_index)
+            seed = _mix_seed(data_seed(self.args), step, self._anchor_micro, self.args.process_index)
             self._anchor_micro += 1
         else:  # evaluation: anchors depend on the batch only, so every evaluation sees the same blocks
-            seed = _mix_seed(self.args.seed, -1, int(inputs["input_ids"].sum()), inputs["input_ids"].shape[1])
+            seed = _mix_seed(data_seed(self.args), -1, int(inputs["input_ids"].sum()), inputs["input_ids"].shape[1])
         return torch.Generator(device=self.args.device).manual_seed(seed)
 
     def _mixed_precision(self):
