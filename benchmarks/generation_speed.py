@@ -70,6 +70,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-draft-graphs", action="store_true",
+                        help="also time each draft with dspark_draft_graphs=False (the eager draft path)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--profile", default=None, metavar="FILE",
@@ -200,6 +202,8 @@ def benchmark(args, setup) -> tuple[list[Row], dict]:
             rows.append(prompt_lookup_row(*common, reference))
             for name, draft in drafts.items():
                 variants = [(name, {})]
+                if args.compare_draft_graphs:
+                    variants.append((f"{name}/no-graphs", {"dspark_draft_graphs": False}))
                 if getattr(draft.config, "enable_confidence_head", False):
                     sps = {"dspark_sps_table": args.sps_table} if args.sps_table else {}
                     variants += [
@@ -212,6 +216,7 @@ def benchmark(args, setup) -> tuple[list[Row], dict]:
                     if stats is not None:
                         row.tau, row.draft_time, row.verify_time = stats.tau, stats.draft_time, stats.verify_time
                         round_costs(row, base, stats, batch_size)
+                        row.extra["draft_graphs"] = stats.draft_graphs
                         row.extra["accept_rate_by_position"] = stats.accept_rate_by_position
                         row.extra["verified_tokens"] = stats.verified_tokens
                     if temperature == 0:

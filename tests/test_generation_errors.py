@@ -151,3 +151,25 @@ def test_other_assistance_kinds_cannot_be_combined(target, draft):
         _generate(target, draft, prompt_lookup_num_tokens=3)
     with pytest.raises(ValueError, match="custom_generate"):
         _generate(target, draft, custom_generate=lambda *a, **k: None)
+
+
+def test_draft_graphs_setting_is_checked(target, draft):
+    with pytest.raises(ValueError, match="dspark_draft_graphs must be True, False or 'auto'"):
+        _generate(target, draft, dspark_draft_graphs="yes")
+    # The static draft path needs processors that do not read the sequence (the graph has no per-round inputs).
+    with pytest.raises(ValueError, match="reads the sequence.*dspark_draft_graphs='auto'"):
+        _generate(target, draft, dspark_draft_graphs=True, repetition_penalty=1.3)
+    # 'auto' falls back to the dynamic path there, and on CPU: no graphs were captured.
+    _generate(target, draft, dspark_draft_graphs="auto", repetition_penalty=1.3)
+    assert draft.last_generation_stats.draft_graphs is False
+    _generate(target, draft, dspark_draft_graphs=True)
+    assert draft.last_generation_stats.draft_graphs is False  # static shapes, run eagerly without CUDA
+
+
+def test_a_sliding_window_target_refuses_forced_draft_graphs():
+    target = make_tiny_target("gemma3")
+    draft = make_draft("dspark", target)
+    ids, mask = left_padded([[5, 6, 7, 8], [3, 4]])
+    with pytest.raises(ValueError, match="sliding-window target"):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=draft,
+                        dspark_draft_graphs=True)  # fmt: skip

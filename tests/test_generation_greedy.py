@@ -24,20 +24,24 @@ def _target(family: str, attention: str):
     return target
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
-def test_greedy_matches_target_generate(family, drafter, attention):
+def test_greedy_matches_target_generate(family, drafter, attention, static):
+    """Every decoding path: both attention masks (eager additive, sdpa boolean) and both draft paths (dynamic, and
+    the static-shape one that CUDA graphs replay on GPU, run eagerly here)."""
     target = _target(family, attention)
     draft = make_draft(drafter, target)
     ids, mask = _batch()
-    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, assistant_model=draft)
+    kw = dict(max_new_tokens=24, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **kw)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_draft_graphs=static, **kw)
     assert torch.equal(out, expected)
     single = ids[1:2]
     assert torch.equal(
-        target.generate(single, max_new_tokens=24, do_sample=False, assistant_model=draft),
-        target.generate(single, max_new_tokens=24, do_sample=False),
+        target.generate(single, assistant_model=draft, dspark_draft_graphs=static, **kw),
+        target.generate(single, **kw),
     )
     stats = draft.last_generation_stats
     assert stats.acceptance.rounds > 0 and stats.tau >= 1.0
@@ -52,14 +56,18 @@ def test_sliding_window_target_is_decoded_row_by_row_and_matches():
     assert torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("family,attention", [("llama", "eager"), ("llama", "sdpa"), ("gemma3", "eager")])
-def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, attention):
+@pytest.mark.parametrize(
+    "family,attention,static",
+    [("llama", "eager", False), ("llama", "sdpa", False), ("llama", "sdpa", True), ("gemma3", "eager", False)],
+)
+def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, attention, static):
     target = _target(family, attention)
     draft = make_draft("dflash", target, block_size=6)
     ids, mask = _batch()
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     OracleProposer(draft, expected, mask, corrupt=0.2)
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=draft)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=draft,
+                          dspark_draft_graphs=static)  # fmt: skip
     assert torch.equal(out, expected)
     stats = draft.last_generation_stats
     assert stats.tau > 2.5  # blocks were mostly accepted, and partly rejected

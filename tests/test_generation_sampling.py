@@ -71,24 +71,28 @@ def test_the_statistic_accepts_plain_target_sampling(target):
     assert p_value > P_MIN
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("setting", LOSSLESS_SETTINGS)
 @pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
-def test_sampling_is_lossless(target, drafter, setting):
+def test_sampling_is_lossless(target, drafter, setting, static):
+    """Both draft paths: the dynamic one and the static-shape one that CUDA graphs replay (eager here)."""
     draft = _draft(drafter, target)
-    samples = _sample(target, setting, draft)
+    samples = _sample(target, setting, draft, dspark_draft_graphs=static)
     stat, dof, p_value = chi_square_test(samples, _expected(setting))
     assert p_value > P_MIN, (stat, dof)
     stats = draft.last_generation_stats
     assert 0.05 < stats.accept_rate_by_position[0] < 0.95  # both acceptance and rejection paths ran
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("setting", LOSSLESS_SETTINGS)
 @pytest.mark.parametrize("schedule", ["threshold", "prefix"])
-def test_sampling_is_lossless_with_confidence_scheduling(target, schedule, setting):
+def test_sampling_is_lossless_with_confidence_scheduling(target, schedule, setting, static):
     draft = _draft("dspark", target)
     # A cost table that makes verification expensive enough to cut blocks: Algorithm 1 admits a mix of lengths.
     table = {ROWS: 1000.0, 2 * ROWS: 700.0, 4 * ROWS: 300.0}
-    samples = _sample(target, setting, draft, dspark_schedule=schedule, dspark_threshold=0.5, dspark_sps_table=table)
+    samples = _sample(target, setting, draft, dspark_schedule=schedule, dspark_threshold=0.5, dspark_sps_table=table,
+                      dspark_draft_graphs=static)  # fmt: skip
     stat, dof, p_value = chi_square_test(samples, _expected(setting))
     assert p_value > P_MIN, (stat, dof)
     acc = draft.last_generation_stats.acceptance

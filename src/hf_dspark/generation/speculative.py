@@ -75,6 +75,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..sampling import TokenSampler, apply_logits_processors
 from ..target import TargetFeatureHooks
+from .draft_graphs import StaticDraftRunner, graphs_supported
 from .rejection import verify_block
 from .scheduler import (
     SCHEDULES,
@@ -134,18 +135,24 @@ class SpeculativeConfig:
         block_size (`int`, field `dspark_block_size` or generate()'s `num_assistant_tokens`, defaults to None):
             draft tokens per round; None uses the draft's block size (Eagle3: `ttt_length`). At most the block
             size for DSpark/DFlash.
+        draft_graphs (`bool` or "auto", field `dspark_draft_graphs`, defaults to "auto"): run the draft's
+            proposal and context extension on static shapes, replayed as CUDA graphs ("auto": on CUDA when the
+            logits processors do not read the sequence and the target has no sliding-window layers; True also
+            runs the static path eagerly on CPU; False: the dynamic path). See `draft_graphs.py`.
     """
 
     schedule: str = "none"
     threshold: float = 0.5
     sps_table: Any = None
     block_size: int | None = None
+    draft_graphs: bool | str = "auto"
 
     FIELDS = {
         "dspark_schedule": "schedule",
         "dspark_threshold": "threshold",
         "dspark_sps_table": "sps_table",
         "dspark_block_size": "block_size",
+        "dspark_draft_graphs": "draft_graphs",
     }
 
     @classmethod
@@ -172,6 +179,8 @@ class SpeculativeConfig:
             raise ValueError(f"dspark_schedule={self.schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"dspark_threshold must be in [0, 1], got {self.threshold}")
+        if self.draft_graphs not in (True, False, "auto"):
+            raise ValueError(f"dspark_draft_graphs must be True, False or 'auto', got {self.draft_graphs!r}")
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -298,6 +307,12 @@ def speculative_generate(
     row_by_row = batch > 1 and sliding
     if sliding:
         decoder.mask_4d = None  # one 4D mask would override the sliding layers' own windows
+        if config.draft_graphs is True:
+            raise ValueError(
+                "dspark_draft_graphs=True cannot be used with a sliding-window target (decoded row by row); "
+                "use dspark_draft_graphs='auto'"
+            )
+        decoder.static_draft = decoder.capture_graphs = False
     try:
         if row_by_row:
             for row in range(batch):
@@ -368,6 +383,13 @@ class _Decoder:
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.sps_table = None
+        # The draft's per-round work on static shapes, captured as CUDA graphs (draft_graphs.py).
+        why_not = graphs_supported(draft, self.position_free, sliding_target=False)
+        if config.draft_graphs is True and why_not:
+            raise ValueError(f"dspark_draft_graphs=True cannot be used here: {why_not}; use dspark_draft_graphs='auto'")
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        self.static_draft = config.draft_graphs is True or (config.draft_graphs == "auto" and on_cuda and not why_not)
+        self.capture_graphs = self.static_draft and on_cuda
         # A ready 4D verification mask where the attention implementation takes one (see _verify_mask).
         impl = getattr(model.config, "_attn_implementation", None)
         self.mask_4d = {"sdpa": "bool", "eager": "additive"}.get(impl)
@@ -528,13 +550,20 @@ class _Decoder:
             raw = out.logits[:, -1:].float()
             scores = self._process(raw, rows_t, [0] * len(row_ids))
             first = self._select(scores[:, 0])
-            dcache = draft.new_context_cache(len(row_ids), capacity=prompt.shape[1] + self.budget + 2)
+            # Room for every committed token plus one round's unread tail (static runs write whole rounds).
+            capacity = prompt.shape[1] + self.budget + 2 * (self.num_tokens + 1)
+            dcache = draft.new_context_cache(len(row_ids), capacity=capacity)
             valid = mask.bool()
             # Left-padding positions have no real context (fully masked queries); keep them out of the draft.
             features = hooks.features.masked_fill(~valid[..., None], 0.0)
             following = torch.cat([prompt[:, 1:], first[:, None]], dim=1)  # the token after each position
             draft.extend_context(dcache, features, valid=valid, next_token_ids=following)
             del out
+            runner = None
+            if self.static_draft:
+                runner = StaticDraftRunner(draft, dcache, self.sampler, self.num_tokens, capture=self.capture_graphs)
+                self.stats.draft_graphs = runner.captured
+            local_t = torch.arange(len(row_ids), device=device)  # each running row's slot in this run
             counts, finished, _ = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
             self.stats.prefill_time += time.perf_counter() - t0
             real = mask.sum(-1)  # real tokens of each row in the target cache (= the anchor's position)
@@ -546,10 +575,13 @@ class _Decoder:
                 if len(keep) < len(row_ids):
                     index = torch.tensor(keep, device=device)
                     cache.batch_select_indices(index)
-                    dcache.select(index)
-                    mask, real, rows_t = mask[index], real[index], rows_t[index]
+                    if runner is None:
+                        dcache.select(index)  # (a static run keeps every row's slot)
+                    mask, real, rows_t, local_t = mask[index], real[index], rows_t[index], local_t[index]
                     row_ids = [row_ids[i] for i in keep]
-                counts, finished, mask, real = self._round(cache_kw, dcache, hooks, rows_t, row_ids, mask, real)
+                counts, finished, mask, real = self._round(
+                    cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t
+                )
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:
@@ -573,7 +605,7 @@ class _Decoder:
                 self.sps_table = load_or_profile_sps(self.model, batch_size=self.run_rows)
         return prefix_schedule(conf, self.sps_table, max_lengths=caps)
 
-    def _round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real):
+    def _round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner=None, local_t=None):
         model, draft = self.model, self.draft
         device = rows_t.device
         n_rows = len(row_ids)
@@ -585,7 +617,9 @@ class _Decoder:
         caps = (self.budget - 1 - lengths_t).clamp(min=0, max=self.num_tokens)
         anchors = self.buffer[rows_t, self.prompt_length + lengths_t - 1]
         proposal = None
-        if n_draft > 0:
+        if n_draft > 0 and runner is not None:
+            proposal = runner.propose(local_t, anchors, n_draft)
+        elif n_draft > 0:
             self.draft_processors.rows, self.draft_processors.batch_size = rows_t, self.buffer.shape[0]
             proposal = draft.propose(
                 dcache,
@@ -653,7 +687,10 @@ class _Decoder:
         committed = slot[:, :keep] <= accepted[:, None]
         mask = torch.cat([mask, committed.long()], dim=1)
         real = real + accepted + 1
-        if continuing:
+        if continuing and runner is not None:
+            runner.extend(local_t, hooks.features, slot <= accepted[:, None], new_tokens)
+            self.stats.draft_time += time.perf_counter() - t2
+        elif continuing:
             draft.extend_context(
                 dcache, hooks.features, valid=slot <= accepted[:, None], next_token_ids=new_tokens,
                 max_committed=max(accepted_h) + 1,

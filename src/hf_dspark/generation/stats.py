@@ -27,6 +27,7 @@ class SpeculativeStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
+    draft_graphs: bool = False  # whether the draft's rounds were replayed as CUDA graphs
 
     @property
     def tau(self) -> float:
@@ -56,6 +57,7 @@ class SpeculativeStats:
         self.new_tokens += other.new_tokens
         for name in ("prefill_time", "draft_time", "verify_time", "total_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.draft_graphs = self.draft_graphs and other.draft_graphs
         return self
 
     def to_dict(self) -> dict:
@@ -70,6 +72,7 @@ class SpeculativeStats:
             "draft_time": self.draft_time,
             "verify_time": self.verify_time,
             "total_time": self.total_time,
+            "draft_graphs": self.draft_graphs,
         }
         out.update(self.acceptance.to_dict())
         return out

@@ -35,6 +35,9 @@ class DraftContextCache:
         self.values = [torch.zeros(self._shape, device=device, dtype=dtype) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.bound = 0  # host-side upper bound of lengths.max()
+        # Fixed: never reallocated, attention always reads the whole capacity, so every shape is static and the
+        # draft's per-round work can be captured as CUDA graphs (see generation/draft_graphs.py).
+        self.fixed = False
         # Drafter-specific per-request state (Eagle3 keeps the hidden state of the last committed position).
         self.state: dict[str, Any] = {}
 
@@ -49,11 +52,13 @@ class DraftContextCache:
     @property
     def max_length(self) -> int:
         """Keys to attend over: an upper bound of the longest row (exact when every row commits alike)."""
+        if self.fixed:
+            return self.capacity
         return self.bound if self.batch_size else 0
 
     def _grow(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
+        if self.fixed or needed <= self.capacity:
+            return  # a fixed cache is sized for the whole generation up front
         new_cap = max(needed, 2 * self.capacity)
         pad = new_cap - self.capacity
         for store in (self.keys, self.values):

@@ -248,20 +248,34 @@ class DSparkModel(DraftPreTrainedModel):
             torch.stack(tokens, dim=1), torch.stack(probs, dim=1), torch.stack(logits, dim=1), confidence_logits
         )
 
+    def _sts_temperatures(self, device: torch.device) -> torch.Tensor | None:
+        """The config's STS temperatures as a device tensor, made once (no host-to-device copy per round, which a
+        captured CUDA graph could not contain)."""
+        temps = self.config.confidence_temperatures
+        if temps is None:
+            return None
+        key = (tuple(float(t) for t in temps), str(device))
+        cached = getattr(self, "_sts_cache", None)
+        if cached is None or cached[0] != key:
+            self._sts_cache = cached = (key, torch.tensor(key[0], device=device))
+        return cached[1]
+
     def _proposal(self, tokens, probs, logits, confidence_logits) -> DraftProposal:
         confidences = None
         if confidence_logits is not None:
-            confidences = calibrated_confidence(confidence_logits, self.config.confidence_temperatures)
+            confidences = calibrated_confidence(confidence_logits, self._sts_temperatures(confidence_logits.device))
         return DraftProposal(
             tokens=tokens, probs=probs, logits=logits, confidences=confidences, confidence_logits=confidence_logits
         )
 
 
-def calibrated_confidence(confidence_logits: torch.Tensor, temperatures: list[float] | None) -> torch.Tensor:
+def calibrated_confidence(
+    confidence_logits: torch.Tensor, temperatures: list[float] | torch.Tensor | None
+) -> torch.Tensor:
     """c_k = sigmoid(logit_k / T_k) with the draft's STS temperatures (T = 1 when uncalibrated)."""
     if temperatures is not None:
-        temps = torch.tensor(temperatures[: confidence_logits.shape[-1]], device=confidence_logits.device)
-        confidence_logits = confidence_logits / temps
+        temps = torch.as_tensor(temperatures, device=confidence_logits.device)
+        confidence_logits = confidence_logits / temps[: confidence_logits.shape[-1]]
     return torch.sigmoid(confidence_logits)
 
 

@@ -162,8 +162,10 @@ class Eagle3Model(DraftPreTrainedModel):
         new_last = out[torch.arange(out.shape[0], device=out.device), last]
         previous = cache.state.get("last_hidden")
         if previous is not None:
-            new_last = torch.where((counts > 0)[:, None], new_last, previous)
-        cache.state["last_hidden"] = new_last
+            # In place: a captured propose/extend graph keeps reading this very tensor.
+            previous.copy_(torch.where((counts > 0)[:, None], new_last, previous))
+        else:
+            cache.state["last_hidden"] = new_last
         cache.write(0, key, value, counts)
         cache.advance(counts, width)
 

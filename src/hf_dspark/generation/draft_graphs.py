@@ -1,0 +1,128 @@
+"""The draft's per-round work on fixed shapes, replayed as CUDA graphs.
+
+Profiled at batch 1 on an H200 (SmolLM2-135M target, 2-layer DSpark draft), the draft's eager proposal and
+context extension cost ~13 ms of host time per round, half a target decode step, although its GPU work is a
+fraction of a millisecond: the round was dispatch-bound. Both are pure functions of fixed-size state, so they are
+captured once per generate() call and replayed (one launch each):
+
+- every row of the run keeps its slot (rows that finished keep running, unread: shapes never change);
+- the draft's context cache has a fixed capacity for the whole call (`DraftContextCache.fixed`) and attention
+  reads all of it under the key mask;
+- propose always drafts the configured number of tokens (the decoding loop uses a prefix near the token
+  budget; slots are drawn left to right, so a prefix has the same law);
+- extend always takes `num_tokens + 1` positions, with the committed ones marked valid.
+
+Inputs are copied into static buffers before a replay and outputs read from the captured tensors. The same
+code runs eagerly where there is no CUDA (the CPU tests exercise it), so the captured and the eager runs compute
+one function. Graphs need position-free logits processors (the draft reads no sequence) and a non-sliding target.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..models.modeling_draft import DraftProposal
+
+logger = logging.getLogger(__name__)
+
+
+class StaticDraftRunner:
+    """Propose / extend for all `rows` of a run through static buffers (CUDA graphs on CUDA when `capture`)."""
+
+    def __init__(self, draft, cache, sampler, num_tokens: int, capture: bool):
+        self.draft, self.cache, self.sampler = draft, cache, sampler
+        self.num_tokens = int(num_tokens)
+        self.width = self.num_tokens + 1  # committed positions per round: accepted drafts + the new token
+        rows, device = cache.batch_size, cache.device
+        feature_width = draft.config.num_context_features * draft.config.target_hidden_size
+        self.anchor_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.features = torch.zeros(rows, self.width, feature_width, dtype=cache.keys[0].dtype, device=device)
+        self.valid = torch.zeros(rows, self.width, dtype=torch.bool, device=device)
+        self.next_ids = torch.zeros(rows, self.width, dtype=torch.long, device=device)
+        cache.fixed = True
+        self._propose_graph = self._extend_graph = None
+        self._proposal: DraftProposal | None = None
+        if capture and device.type == "cuda":
+            try:
+                self._capture()
+            except Exception as err:  # noqa: BLE001 - whatever capture refuses, the eager static path is exact
+                logger.warning("drafting without CUDA graphs (capture failed: %s: %s)", type(err).__name__, err)
+                self._propose_graph = self._extend_graph = None
+
+    # -- the two functions ------------------------------------------------------------------------------------
+
+    def _run_propose(self) -> DraftProposal:
+        return self.draft.propose(self.cache, self.anchor_ids, sampler=self.sampler, num_tokens=self.num_tokens)
+
+    def _run_extend(self) -> None:
+        self.draft.extend_context(
+            self.cache, self.features, valid=self.valid, next_token_ids=self.next_ids, max_committed=self.width
+        )
+
+    def _capture(self) -> None:
+        # Warm up on a side stream (lazy cuBLAS/cuDNN initialization must not happen inside a capture). Extension
+        # warms up with no valid position, which writes only past every row's length and advances nothing.
+        self.valid.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run_propose()
+                self._run_extend()
+        torch.cuda.current_stream().wait_stream(stream)
+        pool = torch.cuda.graph_pool_handle()
+        self._propose_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._propose_graph, pool=pool):
+            self._proposal = self._run_propose()
+        self._extend_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._extend_graph, pool=pool):
+            self._run_extend()
+
+    @property
+    def captured(self) -> bool:
+        return self._propose_graph is not None
+
+    # -- what the decoding loop calls -----------------------------------------------------------------------
+
+    def propose(self, local_rows: torch.Tensor, anchors: torch.Tensor, num_tokens: int) -> DraftProposal:
+        """Proposals for the running rows (`local_rows`: their slots in this run) after `anchors` [R]."""
+        self.anchor_ids[local_rows] = anchors
+        if self._propose_graph is not None:
+            self._propose_graph.replay()
+            full = self._proposal
+        else:
+            full = self._run_propose()
+        pick = lambda t: None if t is None else t[local_rows, :num_tokens]  # noqa: E731
+        return DraftProposal(
+            tokens=pick(full.tokens),
+            probs=pick(full.probs),
+            logits=pick(full.logits),
+            confidences=pick(full.confidences),
+            confidence_logits=pick(full.confidence_logits),
+        )
+
+    def extend(self, local_rows: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, next_ids: torch.Tensor):
+        """Append the committed positions (`valid` [R, w], w <= num_tokens + 1) of the running rows."""
+        width = features.shape[1]
+        self.valid.zero_()
+        self.valid[local_rows, :width] = valid
+        self.features[local_rows, :width] = features.to(self.features.dtype)
+        self.next_ids[local_rows, :width] = next_ids
+        if self._extend_graph is not None:
+            self._extend_graph.replay()
+        else:
+            self._run_extend()
+
+
+def graphs_supported(draft, position_free: bool, sliding_target: bool) -> str | None:
+    """Why the static path cannot serve this call (None when it can)."""
+    if not position_free:
+        return "a logits processor reads the sequence (the draft would need per-round inputs)"
+    if sliding_target:
+        return "the target has sliding-window layers (decoded row by row)"
+    return None
+
+
+__all__ = ["StaticDraftRunner", "graphs_supported"]
