@@ -276,3 +276,15 @@ def test_bf16_training_runs_the_loss_in_bf16(tmp_path, monkeypatch):
                            target_model=target)  # fmt: skip
     trainer.train()
     assert seen and all(dtype == torch.bfloat16 for dtype in seen), seen
+
+
+def test_max_train_minutes_stops_training_and_saves(tmp_path):
+    target = make_tiny_target("llama")
+    args = make_args(tmp_path, max_steps=10_000, max_train_minutes=0.02, save_strategy="steps", save_steps=10_000)
+    trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+    trainer.train()
+    assert 0 < trainer.state.global_step < 10_000  # stopped by the deadline (~1.2 s), not by max_steps
+    saved = list((tmp_path / "out").glob("checkpoint-*"))
+    assert [p.name for p in saved] == [f"checkpoint-{trainer.state.global_step}"]
+    with pytest.raises(ValueError, match="max_train_minutes must be > 0"):
+        make_args(tmp_path, max_train_minutes=0)

@@ -51,6 +51,13 @@ class DraftTrainingArguments(TrainingArguments):
     compile_loss: bool = field(
         default=False, metadata={"help": "torch.compile the loss's vocabulary-wide math (falls back to eager)."}
     )
+    max_train_minutes: float | None = field(
+        default=None,
+        metadata={
+            "help": "Stop training after this many minutes (then save and evaluate as at the last step); the "
+            "learning-rate schedule still spans max_steps, so set max_steps to what the budget allows."
+        },
+    )
     # Rows carry only what the collator reads; keep dataset columns as they are.
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Drop dataset columns the draft's forward does not take (off for drafts)."}
@@ -63,6 +70,8 @@ class DraftTrainingArguments(TrainingArguments):
         super().__post_init__()
         if self.pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
+        if self.max_train_minutes is not None and self.max_train_minutes <= 0:
+            raise ValueError(f"max_train_minutes must be > 0, got {self.max_train_minutes}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer, enable_full_determinism, set_seed
+from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
 
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes
 from ..models.anchors import sample_anchors
@@ -149,6 +150,8 @@ class DraftTrainer(Trainer):
         )
         # The objective normalizes itself; Trainer only divides by the gradient-accumulation steps.
         self.model_accepts_loss_kwargs = False
+        if getattr(self.args, "max_train_minutes", None):
+            self.add_callback(TrainingDeadline(self.args.max_train_minutes))
         self.target_model = None
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
@@ -285,6 +288,33 @@ class DraftTrainer(Trainer):
             # In place: evaluate() returns this very dict.
             logs.update({prefix + k: v for k, v in self._summarize(mode).items()})
         super().log(logs, start_time)
+
+
+class TrainingDeadline(TrainerCallback):
+    """Ends training once `minutes` of wall time have passed since train() began (checked at step ends, so the
+    last step completes); the final save and evaluation then run as after the last planned step. Every process
+    reads the main process's decision, so a distributed run stops at the same step everywhere."""
+
+    def __init__(self, minutes: float):
+        self.seconds = 60.0 * minutes
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.monotonic()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        over = self.start is not None and time.monotonic() - self.start >= self.seconds
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if state.global_step % 10:
+                return control  # agree every 10 steps: a collective per step would cost a host sync each
+            flag = torch.tensor([float(over)], device=args.device)
+            torch.distributed.broadcast(flag, src=0)
+            over = bool(flag.item())
+        if over:
+            logger.info("max_train_minutes=%g reached at step %d: stopping", self.seconds / 60, state.global_step)
+            control.should_training_stop = True
+            control.should_save = True
+        return control
 
 
 def _check_dataset(name: str, dataset, draft: DraftPreTrainedModel, target: nn.Module | None) -> None:
