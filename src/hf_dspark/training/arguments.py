@@ -44,6 +44,10 @@ class DraftTrainingArguments(TrainingArguments):
     compile_loss: bool = field(
         default=False, metadata={"help": "torch.compile the loss's vocabulary-wide math (falls back to eager)."}
     )
+    loss_backend: str = field(
+        default="auto",
+        metadata={"help": "Vocabulary-wide loss: auto (Triton kernels on CUDA, else PyTorch), triton or torch."},
+    )
     # Rows carry only what the collator reads; keep dataset columns as they are.
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Drop dataset columns the draft's forward does not take (off for drafts)."}
