@@ -65,6 +65,17 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """a @ b (+ acc) in fp32. Triton's interpreter mis-multiplies bf16/fp16 operands (3.9): there, upcast
+    them first (exact products, fp32 sums, as the tensor cores compute them)."""
+    if PRECISION == "interpreter":
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _matmul_tile(x_ptr, w_ptr, rows, row_ok, cols, col_ok, K, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """x[rows, :K] @ w[cols, :K]^T in fp32, [BLOCK_M, BLOCK_V]; x and w are row-major with row stride K."""
@@ -77,7 +88,7 @@ def _matmul_tile(x_ptr, w_ptr, rows, row_ok, cols, col_ok, K, BLOCK_M: tl.conste
         k_ok = k < K
         x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _dot(x, tl.trans(w), acc, PRECISION)
     return acc
 
 
@@ -268,7 +279,7 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
                 k = k0 + ks
                 k_ok = k < D
                 w = tl.load(w_ptr + cols64[:, None] * D + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                part = tl.dot(g, w, input_precision=PRECISION)
+                part = _dot(g, w, None, PRECISION)
                 tl.atomic_add(grad_h_ptr + rows64[:, None] * D + k[None, :], part,
                               mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")  # fmt: skip
         if GRAD_Z or GRAD_W2:
@@ -278,13 +289,13 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
                 if GRAD_Z:
                     w2 = tl.load(w2_ptr + cols64[:, None] * R + k[None, :], mask=col_ok[:, None] & k_ok[None, :],
                                  other=0.0)  # fmt: skip
-                    part = tl.dot(g, w2, input_precision=PRECISION)
+                    part = _dot(g, w2, None, PRECISION)
                     tl.atomic_add(grad_z_ptr + rows64[:, None] * R + k[None, :], part,
                                   mask=row_ok[:, None] & k_ok[None, :], sem="relaxed")  # fmt: skip
                 if GRAD_W2:
                     z = tl.load(z_ptr + rows64[:, None] * R + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                                 other=0.0)  # fmt: skip
-                    part = tl.dot(tl.trans(g), z, input_precision=PRECISION)
+                    part = _dot(tl.trans(g), z, None, PRECISION)
                     tl.atomic_add(grad_w2_ptr + cols64[:, None] * R + k[None, :], part,
                                   mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")  # fmt: skip
 
@@ -306,10 +317,10 @@ class TritonHeadLossResult:
 
 def unsupported_reason(hidden: torch.Tensor, lm_weight: torch.Tensor, target_hidden, dtype: torch.dtype) -> str | None:
     """Why the Triton kernels cannot take these inputs (None when they can)."""
-    if not (hidden.is_cuda or (interpreting() and hidden.device.type == "cpu")):
-        return f"the Triton loss runs on CUDA tensors (got {hidden.device.type}; TRITON_INTERPRET=1 runs it on CPU)"
     if dtype not in SUPPORTED_DTYPES:
         return f"the Triton loss takes bf16, fp16 or fp32 inputs, got {dtype}"
+    if not (hidden.is_cuda or (interpreting() and hidden.device.type == "cpu")):
+        return f"the Triton loss runs on CUDA tensors (got {hidden.device.type}; TRITON_INTERPRET=1 runs it on CPU)"
     if target_hidden is not None and target_hidden.shape[-1] != lm_weight.shape[1]:
         return "target_hidden's width differs from the lm_head's input size"
     return None
@@ -366,7 +377,10 @@ def triton_head_loss(
     R = markov.shape[1] if markov is not None else 0
     has_target, has_markov = target_hidden is not None, markov is not None
     tiles = tiles or DEFAULT_TILES[hidden.dtype]
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
+    if interpreting():
+        precision = "interpreter"
+    else:
+        precision = "ieee" if hidden.dtype == torch.float32 else "tf32"  # tf32 is ignored for half inputs
     device = hidden.device
     f32 = dict(dtype=torch.float32, device=device)
     h, W = hidden.contiguous(), lm_weight.contiguous()
