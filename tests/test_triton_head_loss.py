@@ -118,8 +118,8 @@ def test_triton_matches_the_torch_path(case, markov, softcap):
 
 
 @kernels
-@pytest.mark.parametrize("num_splits", [1, 2, 3])
-def test_ragged_tiles_and_vocabulary_splits(num_splits):
+@pytest.mark.parametrize("num_splits, grad_mode", [(1, "fused"), (2, "fused"), (3, "fused"), (2, "chunked")])
+def test_ragged_tiles_and_vocabulary_splits(num_splits, grad_mode):
     """Tiles smaller than every dimension, none of which is a multiple of its tile; split partials combined."""
     from hf_dspark.training.triton_head_loss import TileConfig, triton_head_loss
 
@@ -131,7 +131,7 @@ def test_ragged_tiles_and_vocabulary_splits(num_splits):
         target_hidden=inputs["target_hidden"], markov=inputs["markov_features"],
         markov_weight=inputs["markov_weight"], w_l1=weights["l1_weight"], w_soft=weights["soft_ce_weight"],
         softcap=7.0, tiles=TileConfig(block_m=16, block_v=32, block_d=16, num_warps=4, num_stages=1),
-        num_splits=num_splits,
+        num_splits=num_splits, grad_mode=grad_mode, chunk_elements=16 * 150,  # "chunked": 16 rows a chunk
     )  # fmt: skip
     tol = dict(atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(result.ce, stats.ce, **tol)
@@ -222,3 +222,26 @@ def test_eagle3_objective_through_the_triton_backend():
     torch.testing.assert_close(results[0].loss, results[1].loss, atol=1e-5, rtol=1e-5)
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_loss_kernel_benchmark_smoke(tmp_path):
+    """benchmarks/loss_kernel.py --device cpu --smoke: every variant agrees with the fp32 reference; JSON written.
+    (A child process: the script sets TRITON_INTERPRET for itself.)"""
+    import json
+
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "loss_kernel.py")
+    out = tmp_path / "loss_kernel.json"
+    cmd = [sys.executable, script, "--device", "cpu", "--smoke", "--settings", "production", "--variants",
+           "torch-eager", "triton", "triton-chunked", "--output", str(out)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("loss_kernel.py --device cpu --smoke") and report["device"]
+    (setting,) = report["settings"]
+    assert [v["variant"] for v in setting["variants"]] == ["torch-eager", "triton", "triton-chunked"]
+    for variant in setting["variants"]:
+        accuracy = variant["accuracy_vs_fp32"]
+        assert variant["ms"] > 0 and accuracy["loss"]["max_rel"] < 1e-3, variant
+        assert accuracy["grad_hidden"]["max_rel"] < 5e-2 and accuracy["grad_markov_weight"]["max_rel"] < 5e-2
+    assert "| production | triton-chunked" in proc.stdout.splitlines()[-1]

@@ -141,7 +141,7 @@ def _triton_forward(hidden, markov, target_hidden, lm_weight, markov_weight, lab
     res = triton_head_loss(
         cast(hidden), cast(lm_weight), labels, w_ce, target_hidden=cast(target_hidden), markov=cast(markov),
         markov_weight=cast(markov_weight), w_l1=w_l1, w_soft=w_soft, softcap=opts["softcap"],
-        grads=(need[0], need[1], need[4]), tiles=opts.get("tiles"),
+        grads=(need[0], need[1], need[4]), chunk_elements=opts["chunk_elements"],
     )  # fmt: skip
     grad_h = res.grad_hidden.to(hidden.dtype) if res.grad_hidden is not None else None
     grad_z = res.grad_markov.to(markov.dtype) if res.grad_markov is not None else None
@@ -324,6 +324,7 @@ def fused_head_loss(
     opts = {
         "softcap": softcap,
         "rows": chunk_rows(lm_weight.shape[0], chunk_elements),
+        "chunk_elements": chunk_elements,
         "compile": compile,
         "dtype": dtype,
         "backend": resolve_backend(backend, hidden, lm_weight, target_hidden, dtype),

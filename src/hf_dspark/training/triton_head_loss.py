@@ -27,6 +27,12 @@ import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# How pass 3 turns gradient tiles into grad_h / grad_z / grad_W2:
+#   "fused"    in the kernel (tile products, fp32 atomic adds): nothing of size [rows, V] in memory
+#   "chunked"  the kernel writes g for a chunk of rows ([rows, V] in the compute dtype, `chunk_elements` large)
+#              and cuBLAS multiplies: no atomics, one bounded buffer
+GRAD_MODES = ("fused", "chunked")
+DEFAULT_GRAD_MODE = "fused"
 
 
 @dataclass(frozen=True)
@@ -123,14 +129,14 @@ def _target_logits(t_ptr, w_ptr, rows, row_ok, cols, col_ok, D, cap, SOFTCAP: tl
 
 
 @triton.jit
-def _online_update(u, start, m, s, best, arg):
+def _online_update(u, start, m, s, arg):
     """Fold one tile (invalid columns at -inf) into the running max m, sum-exp s (relative to m) and argmax."""
     tile_max = tl.max(u, axis=1)
     m_new = tl.maximum(m, tile_max)
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(u - m_new[:, None]), axis=1)
     tile_idx = start + tl.argmax(u, axis=1)  # the first maximum within the tile
-    better = tile_max > best  # strict: an earlier tile keeps ties, like torch.argmax
-    return m_new, s, tl.where(better, tile_max, best), tl.where(better, tile_idx, arg)
+    arg = tl.where(tile_max > m, tile_idx, arg)  # strict: an earlier tile keeps ties, like torch.argmax
+    return m_new, s, arg
 
 
 @triton.jit
@@ -146,12 +152,10 @@ def _pass1_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, stats_ptr, idx
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
-    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     arg = tl.zeros((BLOCK_M,), tl.int32)
     label_logit = tl.zeros((BLOCK_M,), tl.float32)
     mt = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     st = tl.zeros((BLOCK_M,), tl.float32)
-    best_t = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     arg_t = tl.zeros((BLOCK_M,), tl.int32)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_V))
@@ -162,12 +166,12 @@ def _pass1_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, stats_ptr, idx
                           BLOCK_M, BLOCK_V, BLOCK_D, PRECISION)  # fmt: skip
         label_logit += tl.sum(tl.where(cols[None, :] == labels[:, None], u, 0.0), axis=1)
         u = tl.where(col_ok[None, :], u, float("-inf"))
-        m, s, best, arg = _online_update(u, tile * BLOCK_V, m, s, best, arg)
+        m, s, arg = _online_update(u, tile * BLOCK_V, m, s, arg)
         if HAS_TARGET:
             ut = _target_logits(t_ptr, w_ptr, rows, row_ok, cols, col_ok, D, cap, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_D,
                                 PRECISION)  # fmt: skip
             ut = tl.where(col_ok[None, :], ut, float("-inf"))
-            mt, st, best_t, arg_t = _online_update(ut, tile * BLOCK_V, mt, st, best_t, arg_t)
+            mt, st, arg_t = _online_update(ut, tile * BLOCK_V, mt, st, arg_t)
     plane = n_split * S
     out = split * S + rows
     tl.store(stats_ptr + out, m, mask=row_ok)
@@ -236,12 +240,12 @@ def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_p
 
 @triton.jit
 def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t_ptr, sign_p_ptr, w_ce_ptr,
-                  w_l1_ptr, w_soft_ptr, grad_h_ptr, grad_z_ptr, grad_w2_ptr, S, V, D, R, cap, tiles_per_split,
+                  w_l1_ptr, w_soft_ptr, grad_h_ptr, grad_z_ptr, grad_w2_ptr, g_ptr, S, V, D, R, cap, tiles_per_split,
                   HAS_MARKOV: tl.constexpr, HAS_L1: tl.constexpr, HAS_SOFT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  GRAD_H: tl.constexpr, GRAD_Z: tl.constexpr, GRAD_W2: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                  GRAD_H: tl.constexpr, GRAD_Z: tl.constexpr, GRAD_W2: tl.constexpr, STORE_G: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """g = d(sum_i w_ce ce + w_l1 l1 + w_soft sce)/d(pre-softcap draft logits) per tile (`_chunk_math`), then
-    grad_h += g W, grad_z += g W2, grad_w2 += g^T z (fp32 buffers, atomic adds)."""
+    grad_h += g W, grad_z += g W2, grad_w2 += g^T z (fp32 buffers, atomic adds); or (STORE_G) g itself."""
     split = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
@@ -274,6 +278,8 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
             g *= 1.0 - (u / cap) * (u / cap)
         g = tl.where(ok, g, 0.0).to(w_ptr.dtype.element_ty)
         cols64 = cols.to(tl.int64)
+        if STORE_G:
+            tl.store(g_ptr + rows64[:, None] * V + cols64[None, :], g, mask=ok)
         if GRAD_H:
             for k0 in range(0, D, BLOCK_D):
                 k = k0 + ks
@@ -367,8 +373,12 @@ def triton_head_loss(
     grads: tuple[bool, bool, bool] = (True, True, True),
     tiles: TileConfig | None = None,
     num_splits: int | None = None,
+    grad_mode: str | None = None,
+    chunk_elements: int | None = None,
 ) -> TritonHeadLossResult:
     """Loss, per-row stats and gradients (hidden, markov, markov_weight; each where `grads` asks and it exists).
+
+    grad_mode: see GRAD_MODES (default DEFAULT_GRAD_MODE); chunk_elements bounds the "chunked" g buffer.
 
     All tensors already in the compute dtype except labels (int) and the per-row weights (fp32, [S]).
     """
@@ -421,14 +431,51 @@ def triton_head_loss(
     grad_h = torch.zeros(S, D, **f32) if grad_h_on else None
     grad_z = torch.zeros(S, R, **f32) if grad_z_on else None
     grad_w2 = torch.zeros(V, R, **f32) if grad_w2_on else None
-    if grad_h_on or grad_z_on or grad_w2_on:
-        dummy = lse  # pointer arguments a disabled branch never reads
-        _pass3_kernel[grid](
-            h, t, z, W, W2, labels, lse, lse_t if has_target else dummy, sign_p if sign_p is not None else dummy,
-            w_ce, w_l1 if w_l1 is not None else dummy, w_soft if w_soft is not None else dummy,
-            grad_h if grad_h_on else dummy, grad_z if grad_z_on else dummy, grad_w2 if grad_w2_on else dummy,
-            S, V, D, R, cap, per_split, HAS_MARKOV=has_markov, HAS_L1=w_l1 is not None,
-            HAS_SOFT=w_soft is not None, SOFTCAP=softcap is not None, GRAD_H=grad_h_on, GRAD_Z=grad_z_on,
-            GRAD_W2=grad_w2_on, **shared,
+    if not (grad_h_on or grad_z_on or grad_w2_on):
+        return TritonHeadLossResult(loss, ce, l1, soft_ce, match, grad_h, grad_z, grad_w2)
+    grad_mode = grad_mode or DEFAULT_GRAD_MODE
+    if grad_mode not in GRAD_MODES:
+        raise ValueError(f"grad_mode must be one of {', '.join(GRAD_MODES)}, got {grad_mode!r}")
+    dummy = lse  # pointer arguments a disabled branch never reads
+    per_row = {
+        "h": h, "t": t, "z": z, "labels": labels, "lse": lse, "lse_t": lse_t if has_target else dummy,
+        "sign_p": sign_p if sign_p is not None else dummy, "w_ce": w_ce.contiguous(),
+        "w_l1": w_l1.contiguous() if w_l1 is not None else dummy,
+        "w_soft": w_soft.contiguous() if w_soft is not None else dummy,
+    }  # fmt: skip
+    flags = dict(
+        HAS_MARKOV=has_markov, HAS_L1=w_l1 is not None, HAS_SOFT=w_soft is not None, SOFTCAP=softcap is not None,
+        **shared,
+    )  # fmt: skip
+
+    def pass3(x, n, grads_out, g):
+        row_blocks = triton.cdiv(n, tiles.block_m)
+        splits, per_split = _splits(row_blocks, triton.cdiv(V, tiles.block_v), device, num_splits)
+        grad_h, grad_z, grad_w2 = grads_out
+        _pass3_kernel[(row_blocks, splits)](
+            x["h"], x["t"], x["z"], W, W2, x["labels"], x["lse"], x["lse_t"], x["sign_p"], x["w_ce"], x["w_l1"],
+            x["w_soft"], grad_h if grad_h is not None else dummy, grad_z if grad_z is not None else dummy,
+            grad_w2 if grad_w2 is not None else dummy, g if g is not None else dummy, n, V, D, R, cap, per_split,
+            GRAD_H=grad_h is not None, GRAD_Z=grad_z is not None, GRAD_W2=grad_w2 is not None,
+            STORE_G=g is not None, **flags,
         )  # fmt: skip
+
+    if grad_mode == "fused":
+        pass3(per_row, S, (grad_h, grad_z, grad_w2), None)
+        return TritonHeadLossResult(loss, ce, l1, soft_ce, match, grad_h, grad_z, grad_w2)
+    from .losses import _mm_acc, chunk_rows
+
+    rows = max(tiles.block_m, chunk_rows(V, chunk_elements) // tiles.block_m * tiles.block_m)
+    g_buffer = torch.empty(min(rows, S), V, dtype=W.dtype, device=device)
+    for start in range(0, S, rows):
+        n = min(rows, S - start)
+        chunk = {k: v[start : start + n] for k, v in per_row.items()}  # the dummies are [S] too
+        g = g_buffer[:n]
+        pass3(chunk, n, (None, None, None), g)
+        if grad_h_on:
+            grad_h[start : start + n] = g @ W
+        if grad_z_on:
+            grad_z[start : start + n] = g @ W2
+        if grad_w2_on:
+            grad_w2 += _mm_acc(g.T, chunk["z"], torch.float32)
     return TritonHeadLossResult(loss, ce, l1, soft_ce, match, grad_h, grad_z, grad_w2)
