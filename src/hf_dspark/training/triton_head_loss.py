@@ -10,6 +10,8 @@ three times, recomputing the logit tiles each time:
     pass 2  sum_v |p - q|,  sum_v sign(p - q) p,  sum_v q u                       (only with a target)
     pass 3  the gradient tile g (as in `_chunk_math`) and its products g W -> grad_h, g W2 -> grad_z,
             g^T z -> grad_W2, accumulated with fp32 atomics                       (only when gradients are needed)
+Only the L1 gradient needs pass 2's sums before pass 3 (sum_w sign_w p_w); without an L1 weight (DFlash, Eagle3)
+pass 3 forms them on the way and pass 2 is skipped. GRAD_MODES has an alternative for pass 3's products.
 
 Each pass runs a grid of (row blocks) x (vocabulary splits): a program walks a contiguous range of vocabulary
 tiles and writes its partial statistics, which the host combines ([splits, rows] numbers, negligible).
@@ -240,12 +242,14 @@ def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_p
 
 @triton.jit
 def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t_ptr, sign_p_ptr, w_ce_ptr,
-                  w_l1_ptr, w_soft_ptr, grad_h_ptr, grad_z_ptr, grad_w2_ptr, g_ptr, S, V, D, R, cap, tiles_per_split,
-                  HAS_MARKOV: tl.constexpr, HAS_L1: tl.constexpr, HAS_SOFT: tl.constexpr, SOFTCAP: tl.constexpr,
-                  GRAD_H: tl.constexpr, GRAD_Z: tl.constexpr, GRAD_W2: tl.constexpr, STORE_G: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                  w_l1_ptr, w_soft_ptr, grad_h_ptr, grad_z_ptr, grad_w2_ptr, g_ptr, sums_ptr, S, V, D, R, cap,
+                  tiles_per_split, HAS_MARKOV: tl.constexpr, HAS_L1: tl.constexpr, HAS_SOFT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, GRAD_H: tl.constexpr, GRAD_Z: tl.constexpr, GRAD_W2: tl.constexpr,
+                  STORE_G: tl.constexpr, SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """g = d(sum_i w_ce ce + w_l1 l1 + w_soft sce)/d(pre-softcap draft logits) per tile (`_chunk_math`), then
-    grad_h += g W, grad_z += g W2, grad_w2 += g^T z (fp32 buffers, atomic adds); or (STORE_G) g itself."""
+    grad_h += g W, grad_z += g W2, grad_w2 += g^T z (fp32 buffers, atomic adds); or (STORE_G) g itself.
+    SUMS (only without L1, whose gradient needs them first): also pass 2's sums, saving that pass."""
     split = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
@@ -258,14 +262,21 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
         w_soft = tl.load(w_soft_ptr + rows, mask=row_ok, other=0.0)[:, None]
     rows64 = rows.to(tl.int64)
     ks = tl.arange(0, BLOCK_D)
+    l1 = tl.zeros((BLOCK_M,), tl.float32)
+    sign_p_sum = tl.zeros((BLOCK_M,), tl.float32)
+    qu = tl.zeros((BLOCK_M,), tl.float32)
     first = split * tiles_per_split
     last = tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_V))
     for tile in range(first, last):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         u, p, q, ok = _probs(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, rows, row_ok, cols, col_ok, D,
-                             R, cap, HAS_MARKOV, HAS_L1 or HAS_SOFT, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_D,
+                             R, cap, HAS_MARKOV, HAS_L1 or HAS_SOFT or SUMS, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_D,
                              PRECISION)  # fmt: skip
+        if SUMS:
+            l1 += tl.sum(tl.abs(p - q), axis=1)
+            sign_p_sum += tl.sum(_sign(p - q) * p, axis=1)
+            qu += tl.sum(tl.where(ok, q * u, 0.0), axis=1)
         # d CE/du = p - onehot;  d L1/du_v = p_v (sign_v - sum_w sign_w p_w);  d SCE/du = p - q.
         if HAS_L1:
             g = ((_sign(p - q) - sign_p) * w_l1 + w_ce) * p
@@ -304,6 +315,12 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
                     part = _dot(tl.trans(g), z, None, PRECISION)
                     tl.atomic_add(grad_w2_ptr + cols64[:, None] * R + k[None, :], part,
                                   mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")  # fmt: skip
+    if SUMS:
+        plane = tl.num_programs(1) * S
+        out = split * S + rows
+        tl.store(sums_ptr + out, l1, mask=row_ok)
+        tl.store(sums_ptr + plane + out, sign_p_sum, mask=row_ok)
+        tl.store(sums_ptr + 2 * plane + out, qu, mask=row_ok)
 
 
 # -- host side ------------------------------------------------------------------------------------------------
@@ -323,6 +340,8 @@ class TritonHeadLossResult:
 
 def unsupported_reason(hidden: torch.Tensor, lm_weight: torch.Tensor, target_hidden, dtype: torch.dtype) -> str | None:
     """Why the Triton kernels cannot take these inputs (None when they can)."""
+    if hidden.shape[0] == 0:
+        return "no rows"
     if dtype not in SUPPORTED_DTYPES:
         return f"the Triton loss takes bf16, fp16 or fp32 inputs, got {dtype}"
     if not (hidden.is_cuda or (interpreting() and hidden.device.type == "cpu")):
@@ -413,69 +432,80 @@ def triton_head_loss(
                         HAS_MARKOV=has_markov, SOFTCAP=softcap is not None, **shared)  # fmt: skip
     lse = _lse(stats[0], stats[1])
     ce = lse - stats[2].sum(0)
-    loss = (w_ce * ce).sum()
-    l1 = soft_ce = match = lse_t = sign_p = None
+    lse_t = match = sums = None
+    grad_h_on, grad_z_on, grad_w2_on = grads[0], grads[1] and has_markov, grads[2] and has_markov
+    any_grad = grad_h_on or grad_z_on or grad_w2_on
+    # Pass 2 runs on its own only when the L1 gradient needs its sums; otherwise pass 3 forms them on the way.
+    sums_in_pass3 = has_target and any_grad and w_l1 is None
     if has_target:
         lse_t = _lse(stats[3], stats[4])
         match = _argmax(stats[0], idx[0]) == _argmax(stats[3], idx[1])
-        sums = torch.zeros(3, splits, S, **f32)
-        _pass2_kernel[grid](h, t, z, W, W2, lse, lse_t, sums, S, V, D, R, cap, per_split, HAS_MARKOV=has_markov,
-                            SOFTCAP=softcap is not None, **shared)  # fmt: skip
-        l1, sign_p, qu = sums.sum(1).unbind(0)
-        soft_ce = lse - qu
+        if not sums_in_pass3:
+            sums = torch.zeros(3, splits, S, **f32)
+            _pass2_kernel[grid](h, t, z, W, W2, lse, lse_t, sums, S, V, D, R, cap, per_split, HAS_MARKOV=has_markov,
+                                SOFTCAP=softcap is not None, **shared)  # fmt: skip
+            sums = sums.sum(1)  # [3, S]: sum |p - q|, sum sign(p - q) p, sum q u
+    grad_h = torch.zeros(S, D, **f32) if grad_h_on else None
+    grad_z = torch.zeros(S, R, **f32) if grad_z_on else None
+    grad_w2 = torch.zeros(V, R, **f32) if grad_w2_on else None
+    if any_grad:
+        grad_mode = grad_mode or DEFAULT_GRAD_MODE
+        if grad_mode not in GRAD_MODES:
+            raise ValueError(f"grad_mode must be one of {', '.join(GRAD_MODES)}, got {grad_mode!r}")
+        dummy = lse  # pointer arguments a disabled branch never reads
+        per_row = {
+            "h": h, "t": t, "z": z, "labels": labels, "lse": lse, "lse_t": lse_t if has_target else dummy,
+            "sign_p": sums[1] if w_l1 is not None else dummy, "w_ce": w_ce.contiguous(),
+            "w_l1": w_l1.contiguous() if w_l1 is not None else dummy,
+            "w_soft": w_soft.contiguous() if w_soft is not None else dummy,
+        }  # fmt: skip
+        flags = dict(
+            HAS_MARKOV=has_markov, HAS_L1=w_l1 is not None, HAS_SOFT=w_soft is not None,
+            SOFTCAP=softcap is not None, SUMS=sums_in_pass3, **shared,
+        )  # fmt: skip
+
+        def pass3(x, n, grads_out, g):
+            """Pass 3 over rows x (n rows); returns its [3, n] sums when it forms them."""
+            row_blocks = triton.cdiv(max(n, 1), tiles.block_m)
+            splits, per_split = _splits(row_blocks, triton.cdiv(V, tiles.block_v), device, num_splits)
+            part = torch.zeros(3, splits, n, **f32) if sums_in_pass3 else dummy
+            grad_h, grad_z, grad_w2 = (dummy if out is None else out for out in grads_out)
+            _pass3_kernel[(row_blocks, splits)](
+                x["h"], x["t"], x["z"], W, W2, x["labels"], x["lse"], x["lse_t"], x["sign_p"], x["w_ce"],
+                x["w_l1"], x["w_soft"], grad_h, grad_z, grad_w2, g if g is not None else dummy, part, n, V, D, R,
+                cap, per_split, GRAD_H=grads_out[0] is not None, GRAD_Z=grads_out[1] is not None,
+                GRAD_W2=grads_out[2] is not None, STORE_G=g is not None, **flags,
+            )  # fmt: skip
+            return part.sum(1) if sums_in_pass3 else None
+
+        if grad_mode == "fused":
+            formed = pass3(per_row, S, (grad_h, grad_z, grad_w2), None)
+            sums = formed if sums_in_pass3 else sums
+        else:
+            from .losses import _mm_acc, chunk_rows
+
+            rows = max(tiles.block_m, chunk_rows(V, chunk_elements) // tiles.block_m * tiles.block_m)
+            g_buffer = torch.empty(min(rows, S), V, dtype=W.dtype, device=device)
+            pass3_sums = []
+            for start in range(0, S, rows):
+                n = min(rows, S - start)
+                chunk = {k: v[start : start + n] for k, v in per_row.items()}  # the dummies are [S] too
+                g = g_buffer[:n]
+                pass3_sums.append(pass3(chunk, n, (None, None, None), g))
+                if grad_h_on:
+                    grad_h[start : start + n] = g @ W
+                if grad_z_on:
+                    grad_z[start : start + n] = g @ W2
+                if grad_w2_on:
+                    grad_w2 += _mm_acc(g.T, chunk["z"], torch.float32)
+            if sums_in_pass3:
+                sums = torch.cat(pass3_sums, dim=1)
+    loss = (w_ce * ce).sum()
+    l1 = soft_ce = None
+    if has_target:
+        l1, soft_ce = sums[0], lse - sums[2]
         if w_l1 is not None:
             loss = loss + (w_l1 * l1).sum()
         if w_soft is not None:
             loss = loss + (w_soft * soft_ce).sum()
-    grad_h_on, grad_z_on, grad_w2_on = grads[0], grads[1] and has_markov, grads[2] and has_markov
-    grad_h = torch.zeros(S, D, **f32) if grad_h_on else None
-    grad_z = torch.zeros(S, R, **f32) if grad_z_on else None
-    grad_w2 = torch.zeros(V, R, **f32) if grad_w2_on else None
-    if not (grad_h_on or grad_z_on or grad_w2_on):
-        return TritonHeadLossResult(loss, ce, l1, soft_ce, match, grad_h, grad_z, grad_w2)
-    grad_mode = grad_mode or DEFAULT_GRAD_MODE
-    if grad_mode not in GRAD_MODES:
-        raise ValueError(f"grad_mode must be one of {', '.join(GRAD_MODES)}, got {grad_mode!r}")
-    dummy = lse  # pointer arguments a disabled branch never reads
-    per_row = {
-        "h": h, "t": t, "z": z, "labels": labels, "lse": lse, "lse_t": lse_t if has_target else dummy,
-        "sign_p": sign_p if sign_p is not None else dummy, "w_ce": w_ce.contiguous(),
-        "w_l1": w_l1.contiguous() if w_l1 is not None else dummy,
-        "w_soft": w_soft.contiguous() if w_soft is not None else dummy,
-    }  # fmt: skip
-    flags = dict(
-        HAS_MARKOV=has_markov, HAS_L1=w_l1 is not None, HAS_SOFT=w_soft is not None, SOFTCAP=softcap is not None,
-        **shared,
-    )  # fmt: skip
-
-    def pass3(x, n, grads_out, g):
-        row_blocks = triton.cdiv(n, tiles.block_m)
-        splits, per_split = _splits(row_blocks, triton.cdiv(V, tiles.block_v), device, num_splits)
-        grad_h, grad_z, grad_w2 = grads_out
-        _pass3_kernel[(row_blocks, splits)](
-            x["h"], x["t"], x["z"], W, W2, x["labels"], x["lse"], x["lse_t"], x["sign_p"], x["w_ce"], x["w_l1"],
-            x["w_soft"], grad_h if grad_h is not None else dummy, grad_z if grad_z is not None else dummy,
-            grad_w2 if grad_w2 is not None else dummy, g if g is not None else dummy, n, V, D, R, cap, per_split,
-            GRAD_H=grad_h is not None, GRAD_Z=grad_z is not None, GRAD_W2=grad_w2 is not None,
-            STORE_G=g is not None, **flags,
-        )  # fmt: skip
-
-    if grad_mode == "fused":
-        pass3(per_row, S, (grad_h, grad_z, grad_w2), None)
-        return TritonHeadLossResult(loss, ce, l1, soft_ce, match, grad_h, grad_z, grad_w2)
-    from .losses import _mm_acc, chunk_rows
-
-    rows = max(tiles.block_m, chunk_rows(V, chunk_elements) // tiles.block_m * tiles.block_m)
-    g_buffer = torch.empty(min(rows, S), V, dtype=W.dtype, device=device)
-    for start in range(0, S, rows):
-        n = min(rows, S - start)
-        chunk = {k: v[start : start + n] for k, v in per_row.items()}  # the dummies are [S] too
-        g = g_buffer[:n]
-        pass3(chunk, n, (None, None, None), g)
-        if grad_h_on:
-            grad_h[start : start + n] = g @ W
-        if grad_z_on:
-            grad_z[start : start + n] = g @ W2
-        if grad_w2_on:
-            grad_w2 += _mm_acc(g.T, chunk["z"], torch.float32)
     return TritonHeadLossResult(loss, ce, l1, soft_ce, match, grad_h, grad_z, grad_w2)
