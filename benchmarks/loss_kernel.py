@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--settings", nargs="+", default=["smollm2", "production"], choices=list(SETTINGS))
     # PyTorch first: a kernel fault that poisons the CUDA context then costs only the variants after it.
     p.add_argument("--variants", nargs="+",
-                   default=["torch-eager", "torch-compiled", "triton", "triton-chunked", "triton-64x128"],
+                   default=["torch-eager", "torch-compiled", "triton", "triton-chunked", "triton-128x128"],
                    help="torch-eager, torch-compiled, triton[-MxV[xD]][-chunked]: tile rows x vocabulary [x hidden "
                         "step]; -chunked: gradient products by cuBLAS from a bounded g buffer (else fused atomics)")
     p.add_argument("--check_rows", type=int, default=1024, help="rows compared against the fp32 reference")
@@ -134,8 +134,7 @@ def triton_options(variant):
         sizes = [int(x) for x in token.split("x")]
         block_m, block_v = sizes[:2]
         block_d = sizes[2] if len(sizes) > 2 else 64
-        warps = 4 if block_m * block_v <= 64 * 128 else 8
-        tiles = TileConfig(block_m, block_v, block_d, num_warps=warps, num_stages=3)
+        tiles = TileConfig(block_m, block_v, block_d, num_warps=8, num_stages=3)
     return tiles, grad_mode
 
 

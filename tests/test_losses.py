@@ -366,3 +366,24 @@ def test_backend_choice_and_errors_name_the_fix():
     auto, _ = fused_head_loss(h, W, labels, w, backend="auto")
     torch_path, _ = fused_head_loss(h, W, labels, w, backend="torch")
     assert torch.equal(auto, torch_path)
+
+
+def test_auto_backend_falls_back_to_torch_when_the_kernels_fail(monkeypatch):
+    """"auto" must always give a loss: a Triton failure (e.g. a compiler error on a new GPU) switches to torch."""
+    from hf_dspark.training import losses, triton_head_loss
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed to compile")
+
+    monkeypatch.setattr(losses, "resolve_backend", lambda backend, *args: "torch" if backend == "torch" else "triton")
+    monkeypatch.setattr(triton_head_loss, "triton_head_loss", broken)
+    monkeypatch.setattr(losses, "_TRITON_FAILED", False)
+    h, W = torch.randn(5, 8, requires_grad=True), torch.randn(20, 8)
+    labels, w = torch.randint(0, 20, (5,)), torch.ones(5)
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        fused_head_loss(h, W, labels, w, backend="triton")
+    assert not losses._TRITON_FAILED
+    loss, _ = fused_head_loss(h, W, labels, w, backend="auto")
+    expected, _ = fused_head_loss(h, W, labels, w, backend="torch")
+    assert losses._TRITON_FAILED and torch.equal(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, h)[0], torch.autograd.grad(expected, h)[0])

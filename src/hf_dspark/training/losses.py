@@ -21,9 +21,10 @@ gradients. Peak extra memory: about five [rows, V] fp32 buffers, independent of 
 
 Backends. `backend="torch"` is the row-chunked path above (matmuls + [rows, V] elementwise math, optionally
 compiled). `backend="triton"` (`triton_head_loss.py`) computes the same function in rows x vocabulary tiles that
-never leave the chip: three passes over the vocabulary recompute the logit tiles (log-sum-exps and argmaxes;
-the L1 / soft-CE sums; the gradient tile and its products), so no [rows, V] tensor exists at all.
-`backend="auto"` takes Triton for CUDA tensors when triton imports and the inputs are supported, else torch.
+never leave the chip: up to three passes over the vocabulary recompute the logit tiles (log-sum-exps and
+argmaxes; the L1 / soft-CE sums; the gradient tile and its products), so no [rows, V] tensor exists at all.
+`backend="auto"` takes Triton for CUDA tensors when triton imports and the inputs are supported, else torch
+(and torch for the rest of the process if the kernels ever fail).
 """
 
 from __future__ import annotations
@@ -308,7 +309,8 @@ def fused_head_loss(
     target_hidden [S, d_t] (the target's final hidden state; needed for L1 / SCE / argmax agreement);
     markov_features [S, r] and markov_weight [V, r] (W2) add the Markov bias before soft-capping.
     Gradients flow to hidden, markov_features and markov_weight; lm_weight must be frozen.
-    backend: "auto" | "triton" | "torch" (module docstring); chunk_elements and compile apply to "torch" only.
+    backend: "auto" | "triton" | "torch" (module docstring). compile applies to "torch" only; chunk_elements
+    bounds the [rows, V] buffers of "torch" (and of the Triton kernels' "chunked" gradient mode).
     Returns (scalar fp32 loss, HeadStats with per-row ce / l1 / soft_ce / greedy_match).
     """
     if (l1_weight is not None or soft_ce_weight is not None) and target_hidden is None:

@@ -41,7 +41,7 @@ DEFAULT_GRAD_MODE = "fused"
 class TileConfig:
     """Tile shape and launch options shared by the three passes."""
 
-    block_m: int = 128  # rows per tile
+    block_m: int = 64  # rows per tile
     block_v: int = 128  # vocabulary entries per tile
     block_d: int = 64  # hidden (and Markov-rank) step of the matmul loop
     num_warps: int = 8
@@ -54,9 +54,10 @@ class TileConfig:
                 raise ValueError(f"TileConfig.{name} must be a power of two >= 16 (tl.dot tiles), got {value}")
 
 
-# Hopper defaults: 128 x 128 fp32 accumulators (two live in passes 2 and 3) fit 8 warps' registers; a 64-wide
-# hidden step keeps three pipeline stages of the bf16 operand tiles (96 KiB) in shared memory. fp32 inputs use
-# FMA products (no tensor cores at IEEE precision): smaller tiles.
+# Hopper defaults (sm_90 builds, ptxas resource usage): 64 x 128 tiles with 8 warps are the largest that no pass
+# spills registers with (draft and target tiles, p, q and g live together in passes 2 and 3; 128 x 128 spills
+# 0.1-0.8 KiB a thread); three stages of 64-wide operand tiles take 72 KiB of shared memory (136 KiB in pass
+# 3). fp32 inputs use FMA products (no tensor cores at IEEE precision): smaller tiles.
 DEFAULT_TILES = {
     torch.bfloat16: TileConfig(),
     torch.float16: TileConfig(),
