@@ -17,6 +17,12 @@ Each pass runs a grid of (row blocks) x (vocabulary splits): a program walks a c
 tiles and writes its partial statistics, which the host combines ([splits, rows] numbers, negligible).
 The frozen lm_head's weight gradient is never formed. Inputs are bf16, fp16 or fp32; products accumulate in
 fp32 (fp32 inputs use IEEE fp32 products, not TF32, so they match the PyTorch path).
+
+Cost. Recomputing is the price of holding nothing of size [rows, V]: per (row, vocabulary entry) the passes
+take 3 (2d + r) + (d + 2r) multiply-adds with L1 (hidden size d, Markov rank r; 2 (2d + r) + ... without),
+against 3d + 3r for the PyTorch path, which forms the logits once and streams [rows, V] fp32 buffers through
+memory instead: 2.1-2.3x the matrix work at the SmolLM2 and production shapes. Which is faster depends on the
+shapes and the GPU: benchmarks/loss_kernel.py measures both.
 """
 
 from __future__ import annotations
