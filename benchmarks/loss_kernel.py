@@ -294,7 +294,8 @@ def write(report, path, results, current=None):
 
 
 def print_table(report):
-    head = ("setting", "variant", "fwd+bwd ms", "peak GiB", "loss rel", "l1 rel", "grad_h rel", "grad_W2 rel", "first s")
+    head = ("setting", "variant", "fwd+bwd ms", "peak GiB", "loss rel", "l1 rel", "grad_h rel", "grad_W2 rel",
+            "first s")
     lines = []
     for s in report["settings"]:
         if "error" in s:

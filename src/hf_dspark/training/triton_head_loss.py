@@ -151,7 +151,8 @@ def _online_update(u, start, m, s, arg):
 @triton.jit
 def _pass1_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, stats_ptr, idx_ptr, S, V, D, R, cap,
                   tiles_per_split, HAS_TARGET: tl.constexpr, HAS_MARKOV: tl.constexpr, SOFTCAP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                  BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PRECISION: tl.constexpr):  # fmt: skip
     """Per (row block, split): stats[0..4] = draft max, draft sum-exp, label logit, target max, target sum-exp;
     idx[0..1] = draft / target argmax. Buffers are [k, splits, S]."""
     split = tl.program_id(1)
