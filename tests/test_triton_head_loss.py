@@ -29,7 +29,7 @@ def test_cases_under_the_interpreter():
         pytest.skip("the cases run in this process")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")}
-    cases = "not under_the_interpreter and not benchmark and not trainer"  # those need no kernels
+    cases = "not under_the_interpreter and not benchmark and not trainer and not hopper"  # no kernel runs
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", __file__, "-k", cases]
     proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -279,3 +279,46 @@ def test_draft_trainer_passes_loss_backend(tmp_path, monkeypatch):
             with pytest.raises(ValueError, match="auto, triton, torch"):
                 trainer.train()
     assert seen == ["torch", "cuda"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernels themselves (the interpreter replaces them)")
+def test_kernels_compile_for_hopper_without_a_gpu():
+    """The interpreter does not compile: build the passes for sm_90 with the default bf16 tiles (the bundled ptxas
+    needs no GPU), with every feature on, and check they fit Hopper's shared memory."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import triton
+    from hf_dspark.training import triton_head_loss as kernels
+
+    tiles = kernels.DEFAULT_TILES[torch.bfloat16]
+    blocks = dict(BLOCK_M=tiles.block_m, BLOCK_V=tiles.block_v, BLOCK_D=tiles.block_d, PRECISION="tf32")
+    flags = {
+        kernels._pass1_kernel: dict(HAS_TARGET=True, HAS_MARKOV=True, SOFTCAP=True),
+        kernels._pass2_kernel: dict(HAS_MARKOV=True, SOFTCAP=True),
+        kernels._pass3_kernel: dict(HAS_MARKOV=True, HAS_L1=True, HAS_SOFT=True, SOFTCAP=True, GRAD_H=True,
+                                    GRAD_Z=True, GRAD_W2=True, STORE_G=False, SUMS=False),
+    }  # fmt: skip
+    int_args = {"S", "V", "D", "R", "tiles_per_split"}
+    bf16_args = {"h_ptr", "t_ptr", "z_ptr", "w_ptr", "w2_ptr", "g_ptr"}
+    for fn, constexprs in flags.items():
+        constexprs = {**constexprs, **blocks}
+        signature = {}
+        for name in fn.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name in int_args:
+                signature[name] = "i32"
+            elif name == "cap":
+                signature[name] = "fp32"
+            elif name in bf16_args:
+                signature[name] = "*bf16"
+            else:
+                signature[name] = "*i32" if name in ("labels_ptr", "idx_ptr") else "*fp32"
+        aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                   if signature[name].startswith("*") or name in ("S", "V", "D", "R")}  # fmt: skip
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})  # fmt: skip
+        assert "wgmma" in compiled.asm["ptx"], fn.__name__  # tensor-core products
+        assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
