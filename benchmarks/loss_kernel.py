@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--rep_ms", type=int, default=200, help="do_bench measuring time per variant")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
+    for variant in args.variants:
+        if variant not in ("torch-eager", "torch-compiled") and not variant.startswith("triton"):
+            p.error(f"unknown variant {variant!r}: torch-eager, torch-compiled or triton[-MxV[xD]][-chunked]")
     if args.device is None:
         import torch
 
