@@ -317,7 +317,10 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                 signature[name] = "*i32" if name in ("labels_ptr", "idx_ptr") else "*fp32"
         aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                    if signature[name].startswith("*") or name in ("S", "V", "D", "R")}  # fmt: skip
-        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+        try:
+            source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+        except TypeError as err:  # ASTSource's arguments follow Triton 3.3+
+            pytest.skip(f"this Triton's ahead-of-time API differs: {err}")
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})  # fmt: skip
         assert "wgmma" in compiled.asm["ptx"], fn.__name__  # tensor-core products
