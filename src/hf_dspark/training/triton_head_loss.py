@@ -27,6 +27,7 @@ shapes and the GPU: benchmarks/loss_kernel.py measures both.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -385,6 +386,20 @@ def _argmax(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.where(hit, indices.long(), torch.iinfo(torch.int64).max).min(0).values
 
 
+def _on_hidden_device(fn):
+    """Launch the kernels on hidden's GPU, whichever is current (Triton launches on the current one)."""
+
+    @functools.wraps(fn)
+    def wrapper(hidden, *args, **kwargs):
+        if not hidden.is_cuda:
+            return fn(hidden, *args, **kwargs)
+        with torch.cuda.device(hidden.device):
+            return fn(hidden, *args, **kwargs)
+
+    return wrapper
+
+
+@_on_hidden_device
 def triton_head_loss(
     hidden: torch.Tensor,
     lm_weight: torch.Tensor,
@@ -406,7 +421,6 @@ def triton_head_loss(
     """Loss, per-row stats and gradients (hidden, markov, markov_weight; each where `grads` asks and it exists).
 
     grad_mode: see GRAD_MODES (default DEFAULT_GRAD_MODE); chunk_elements bounds the "chunked" g buffer.
-
     All tensors already in the compute dtype except labels (int) and the per-row weights (fp32, [S]).
     """
     S, D = hidden.shape
