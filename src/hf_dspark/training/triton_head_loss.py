@@ -149,7 +149,7 @@ def _online_update(u, start, m, s, arg):
     return m_new, s, arg
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split"])  # one build for any split count
 def _pass1_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, stats_ptr, idx_ptr, S, V, D, R, cap,
                   tiles_per_split, HAS_TARGET: tl.constexpr, HAS_MARKOV: tl.constexpr, SOFTCAP: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -219,7 +219,7 @@ def _sign(x):
     return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split"])  # one build for any split count
 def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_ptr, S, V, D, R, cap, tiles_per_split,
                   HAS_MARKOV: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
@@ -249,7 +249,7 @@ def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_p
     tl.store(sums_ptr + 2 * plane + out, qu, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split"])  # one build for any split count
 def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t_ptr, sign_p_ptr, w_ce_ptr,
                   w_l1_ptr, w_soft_ptr, grad_h_ptr, grad_z_ptr, grad_w2_ptr, g_ptr, sums_ptr, S, V, D, R, cap,
                   tiles_per_split, HAS_MARKOV: tl.constexpr, HAS_L1: tl.constexpr, HAS_SOFT: tl.constexpr,
