@@ -346,3 +346,44 @@ def test_compiled_loss_math_equals_eager_on_every_chunk_length():
     from hf_dspark.training import losses
 
     assert losses._COMPILED_CHUNK_MATH is not losses._chunk_math, "compilation failed: the eager fallback ran"
+
+
+# -- backend selection (the Triton kernels themselves: test_triton_head_loss.py) ---------------------------------
+
+
+def test_backend_choice_and_errors_name_the_fix():
+    h, W = torch.randn(5, 8), torch.randn(20, 8)
+    labels, w = torch.randint(0, 20, (5,)), torch.ones(5)
+    with pytest.raises(ValueError, match="auto, triton, torch"):
+        fused_head_loss(h, W, labels, w, backend="cuda")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="backend='torch' or 'auto'"):
+            fused_head_loss(h, W, labels, w, backend="triton")
+    with pytest.raises(ValueError, match="fp32 inputs, got torch.float64"):
+        fused_head_loss(h.double().cuda() if torch.cuda.is_available() else h.double(), W.double(), labels, w,
+                        backend="triton")  # fmt: skip
+    # "auto" on CPU is the PyTorch path, bit for bit.
+    auto, _ = fused_head_loss(h, W, labels, w, backend="auto")
+    torch_path, _ = fused_head_loss(h, W, labels, w, backend="torch")
+    assert torch.equal(auto, torch_path)
+
+
+def test_auto_backend_falls_back_to_torch_when_the_kernels_fail(monkeypatch):
+    """"auto" must always give a loss: a Triton failure (e.g. a compiler error on a new GPU) switches to torch."""
+    from hf_dspark.training import losses, triton_head_loss
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed to compile")
+
+    monkeypatch.setattr(losses, "resolve_backend", lambda backend, *args: "torch" if backend == "torch" else "triton")
+    monkeypatch.setattr(triton_head_loss, "triton_head_loss", broken)
+    monkeypatch.setattr(losses, "_TRITON_FAILED", False)
+    h, W = torch.randn(5, 8, requires_grad=True), torch.randn(20, 8)
+    labels, w = torch.randint(0, 20, (5,)), torch.ones(5)
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        fused_head_loss(h, W, labels, w, backend="triton")
+    assert not losses._TRITON_FAILED
+    loss, _ = fused_head_loss(h, W, labels, w, backend="auto")
+    expected, _ = fused_head_loss(h, W, labels, w, backend="torch")
+    assert losses._TRITON_FAILED and torch.equal(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, h)[0], torch.autograd.grad(expected, h)[0])

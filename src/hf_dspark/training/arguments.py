@@ -51,6 +51,10 @@ class DraftTrainingArguments(TrainingArguments):
     compile_loss: bool = field(
         default=False, metadata={"help": "torch.compile the loss's vocabulary-wide math (falls back to eager)."}
     )
+    loss_backend: str = field(
+        default="auto",
+        metadata={"help": "Vocabulary-wide loss: auto (Triton kernels on CUDA, else PyTorch), triton or torch."},
+    )
     max_train_minutes: float | None = field(
         default=None,
         metadata={

@@ -18,6 +18,13 @@ CE / L1 / soft-CE / argmax agreement, and the gradient with respect to the hidde
 features and W2 (the loss is linear in the per-slot terms with weights known up front, so the gradient can be
 formed while the logits are live). Every logit is computed exactly once; backward only rescales the stored
 gradients. Peak extra memory: about five [rows, V] fp32 buffers, independent of the number of slots.
+
+Backends. `backend="torch"` is the row-chunked path above (matmuls + [rows, V] elementwise math, optionally
+compiled). `backend="triton"` (`triton_head_loss.py`) computes the same function in rows x vocabulary tiles that
+never leave the chip: up to three passes over the vocabulary recompute the logit tiles (log-sum-exps and
+argmaxes; the L1 / soft-CE sums; the gradient tile and its products), so no [rows, V] tensor exists at all.
+`backend="auto"` takes Triton for CUDA tensors when triton imports and the inputs are supported, else torch
+(and torch for the rest of the process if the kernels ever fail).
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ def _chunk_math(u, ut, labels, w_ce, w_l1, w_soft, cap, want_grad):
 
 
 _COMPILED_CHUNK_MATH = None
+_TRITON_FAILED = False  # set when backend="auto" saw the Triton kernels fail: later calls go straight to torch
 _MM_OUT_DTYPE_OK = True  # torch.mm(..., out_dtype=fp32) for bf16/fp16 inputs (CUDA kernels); probed on first use
 
 
@@ -125,6 +133,22 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.T
     return (a @ b).to(acc_dtype)
 
 
+def _triton_forward(hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft, opts, need):
+    """The same outputs as the chunked loop, from the Triton kernels: (loss, grads, per-row stats)."""
+    from .triton_head_loss import triton_head_loss
+
+    dtype = opts["dtype"]
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731
+    res = triton_head_loss(
+        cast(hidden), cast(lm_weight), labels, w_ce, target_hidden=cast(target_hidden), markov=cast(markov),
+        markov_weight=cast(markov_weight), w_l1=w_l1, w_soft=w_soft, softcap=opts["softcap"],
+        grads=(need[0], need[1], need[4]), chunk_elements=opts["chunk_elements"],
+    )  # fmt: skip
+    grad_h = res.grad_hidden.to(hidden.dtype) if res.grad_hidden is not None else None
+    grad_z = res.grad_markov.to(markov.dtype) if res.grad_markov is not None else None
+    return res.loss, (grad_h, grad_z, res.grad_markov_weight), (res.ce, res.l1, res.soft_ce, res.greedy_match)
+
+
 def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
     """t [n, ...] -> [n + pad, ...] with zero rows appended."""
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
@@ -137,6 +161,18 @@ class _FusedHeadLoss(torch.autograd.Function):
         cap, rows, dtype = opts["softcap"], opts["rows"], opts["dtype"]
         need = ctx.needs_input_grad
         want_grad = any(need[:5])
+        global _TRITON_FAILED
+        if opts["backend"] == "triton":
+            try:
+                loss, grads, per_row = _triton_forward(
+                    hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft, opts, need
+                )
+                return _FusedHeadLoss._finish(ctx, grads, markov_weight, loss, per_row, hidden.device)
+            except Exception as err:  # noqa: BLE001 - "auto" promises a working loss: the torch path is exact
+                if not opts["auto"]:
+                    raise
+                logger.warning("Triton loss failed (%s: %s); using the PyTorch path", type(err).__name__, err)
+                _TRITON_FAILED = True
         acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 in exactness tests)
         W = lm_weight.to(dtype)  # [V, d]
         W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
@@ -194,12 +230,16 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if grad_w2 is not None:
                     grad_w2 += _mm_acc(g.T, z, acc)
             del g
-        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in (grad_h, grad_z, grad_w2)))
-        ctx.has = tuple(t is not None for t in (grad_h, grad_z, grad_w2))
+        per_row = [torch.cat(v) if v and v[0] is not None else None for v in stats.values()]
+        return _FusedHeadLoss._finish(ctx, (grad_h, grad_z, grad_w2), markov_weight, loss, per_row, hidden.device)
+
+    @staticmethod
+    def _finish(ctx, grads, markov_weight, loss, per_row, device):
+        """Keep the gradients for backward; return (loss, ce, l1, soft_ce, match) with empty tensors for None."""
+        ctx.save_for_backward(*(t if t is not None else torch.empty(0) for t in grads))
+        ctx.has = tuple(t is not None for t in grads)
         ctx.w2_dtype = markov_weight.dtype if markov_weight is not None else None
-        outs = [
-            torch.cat(v) if v and v[0] is not None else torch.empty(0, device=hidden.device) for v in stats.values()
-        ]
+        outs = [t if t is not None else torch.empty(0, device=device) for t in per_row]
         ctx.mark_non_differentiable(*outs)
         return (loss, *outs)
 
@@ -221,6 +261,32 @@ def _compute_dtype(tensor: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+BACKENDS = ("auto", "triton", "torch")
+
+
+def resolve_backend(backend: str, hidden: torch.Tensor, lm_weight: torch.Tensor, target_hidden, dtype) -> str:
+    """"triton" or "torch" for these inputs (see the module docstring); errors name the fix."""
+    if backend not in BACKENDS:
+        raise ValueError(f"loss backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "torch" or (backend == "auto" and (not hidden.is_cuda or _TRITON_FAILED)):
+        return "torch"
+    try:
+        from .triton_head_loss import unsupported_reason
+    except Exception as err:  # noqa: BLE001 - a broken triton install must not stop "auto"
+        if backend == "auto":
+            return "torch"
+        raise ValueError(
+            f"loss backend 'triton' needs a working triton install ({type(err).__name__}: {err}): "
+            "`pip install triton`, or use backend='torch'"
+        ) from err
+    reason = unsupported_reason(hidden, lm_weight, target_hidden, dtype)
+    if reason is None:
+        return "triton"
+    if backend == "auto":
+        return "torch"
+    raise ValueError(f"loss backend 'triton' cannot run here: {reason}. Use backend='torch' or 'auto'")
+
+
 def fused_head_loss(
     hidden: torch.Tensor,
     lm_weight: torch.Tensor,
@@ -235,6 +301,7 @@ def fused_head_loss(
     softcap: float | None = None,
     chunk_elements: int | None = None,
     compile: bool = False,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, HeadStats]:
     """sum_i ce_weight_i CE_i + l1_weight_i L1_i + soft_ce_weight_i SCE_i over rows, without [S, V] tensors.
 
@@ -242,6 +309,8 @@ def fused_head_loss(
     target_hidden [S, d_t] (the target's final hidden state; needed for L1 / SCE / argmax agreement);
     markov_features [S, r] and markov_weight [V, r] (W2) add the Markov bias before soft-capping.
     Gradients flow to hidden, markov_features and markov_weight; lm_weight must be frozen.
+    backend: "auto" | "triton" | "torch" (module docstring). compile applies to "torch" only; chunk_elements
+    bounds the [rows, V] buffers of "torch" (and of the Triton kernels' "chunked" gradient mode).
     Returns (scalar fp32 loss, HeadStats with per-row ce / l1 / soft_ce / greedy_match).
     """
     if (l1_weight is not None or soft_ce_weight is not None) and target_hidden is None:
@@ -257,8 +326,11 @@ def fused_head_loss(
     opts = {
         "softcap": softcap,
         "rows": chunk_rows(lm_weight.shape[0], chunk_elements),
+        "chunk_elements": chunk_elements,
         "compile": compile,
         "dtype": dtype,
+        "backend": resolve_backend(backend, hidden, lm_weight, target_hidden, dtype),
+        "auto": backend == "auto",
     }
     acc_dtype = torch.promote_types(dtype, torch.float32)
     detach = lambda t: None if t is None else t.detach().to(acc_dtype)  # noqa: E731
@@ -330,7 +402,7 @@ def _normalizer(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_draft_loss(
-    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False
+    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto"
 ) -> DraftLossOutput:
     """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring)."""
     cfg = draft.config
@@ -361,6 +433,7 @@ def block_draft_loss(
         softcap=cfg.final_logit_softcapping,
         chunk_elements=chunk_elements,
         compile=compile,
+        backend=backend,
     )
     shape = weight.shape
     terms = {"loss_ce": (weight * stats.ce.view(shape)).sum() / denom}
@@ -378,7 +451,9 @@ def block_draft_loss(
     return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
 
 
-def eagle3_loss(draft, outputs, *, chunk_elements: int | None = None, compile: bool = False) -> DraftLossOutput:
+def eagle3_loss(
+    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto"
+) -> DraftLossOutput:
     """Eagle3 training-time-test objective from an `Eagle3Output` (see the module docstring)."""
     cfg = draft.config
     hidden = outputs.hidden_states  # [J, B, T, d]
@@ -403,6 +478,7 @@ def eagle3_loss(draft, outputs, *, chunk_elements: int | None = None, compile: b
         softcap=cfg.final_logit_softcapping,
         chunk_elements=chunk_elements,
         compile=compile,
+        backend=backend,
     )
     shape = weight.shape
     terms = {"loss_soft_ce": (weight * stats.soft_ce.view(shape)).sum() / denom}
@@ -430,6 +506,7 @@ def draft_loss(draft, outputs, **kwargs) -> DraftLossOutput:
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "DraftLossOutput",
+    "BACKENDS",
     "HeadStats",
     "OBJECTIVES",
     "block_draft_loss",

@@ -187,6 +187,7 @@ class DraftTrainer(Trainer):
                 outputs,
                 chunk_elements=getattr(self.args, "loss_chunk_elements", None),
                 compile=getattr(self.args, "compile_loss", False),
+                backend=getattr(self.args, "loss_backend", "auto"),
             )
         self._record(mode, result)
         return (result.loss, outputs) if return_outputs else result.loss
