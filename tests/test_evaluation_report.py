@@ -264,3 +264,14 @@ def test_acceptance_plot_marks_intervals_and_thin_positions(tmp_path, monkeypatc
     legacy = {k: v for k, v in row.items() if k != "accept_count_by_position"}
     plots.plot_acceptance_by_position([legacy], tmp_path / "b.png")
     assert drawn["errorbars"] == 0 and drawn["hollow"] == []
+
+
+def test_speed_separates_step_cost_from_unequal_row_lengths():
+    """A batch decodes until its longest row stops: tokens/s falls when rows end early, the cost per step does not."""
+    from hf_dspark.evaluation.runner import _CallResult, _speed
+
+    equal = _speed([_CallResult(new_tokens=4 * 100, seconds=2.0, longest=100, rows=4)])
+    ragged = _speed([_CallResult(new_tokens=100 + 3 * 10, seconds=2.0, longest=100, rows=4)])
+    assert equal["ms_per_longest_row_token"] == ragged["ms_per_longest_row_token"] == 20.0
+    assert equal["row_fill"] == 1.0 and ragged["row_fill"] == 130 / 400
+    assert ragged["tokens_per_s"] < equal["tokens_per_s"] / 3

@@ -29,7 +29,7 @@ from torch import nn
 from .calibration import calibration_summary, uncalibrate_records
 from ..metrics import AcceptanceStats
 from .report import save_results
-from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad
+from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad, new_token_lengths  # noqa: F401 (count_new_tokens: re-exported)
 from ..resources import load_target
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,10 @@ class _CallResult:
     new_tokens: int
     seconds: float
     stats: CallStats | None = None
+    # The longest row's output: a batch decodes until its last row stops, so throughput over rows of unequal
+    # lengths (greedy answers that stop early next to one caught in a loop) falls although each step costs the same.
+    longest: int = 0
+    rows: int = 0
 
 
 def _left_pad(batch: Sequence[Sequence[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -171,7 +175,10 @@ def _generate(target, inputs, generation_config, eos_ids, draft=None, generate_k
     _synchronize(device)
     seconds = time.perf_counter() - start
     sequences = output.sequences if hasattr(output, "sequences") else output
-    result = _CallResult(count_new_tokens(sequences, inputs["input_ids"].shape[1], eos_ids), seconds)
+    lengths = new_token_lengths(sequences[:, inputs["input_ids"].shape[1] :], eos_ids)
+    result = _CallResult(
+        int(lengths.sum()), seconds, longest=int(lengths.max()) if lengths.numel() else 0, rows=lengths.numel()
+    )
     if draft is not None:
         # Read before the next call: `draft.last_generation_stats` is replaced by every generate().
         result.stats = generation_stats(draft, output)
@@ -382,9 +389,20 @@ def evaluate_drafts(
 
 
 def _speed(calls: list[_CallResult]) -> dict:
+    """Throughput, and the cost of one decoding step: wall time over the longest row's output per batch (the
+    number of target steps target.generate() takes), which does not depend on how unequal the rows' lengths are."""
     tokens = sum(c.new_tokens for c in calls)
     seconds = sum(c.seconds for c in calls)
-    return {"new_tokens": tokens, "wall_time_s": seconds, "tokens_per_s": tokens / seconds if seconds else float("nan")}
+    steps = sum(c.longest for c in calls)
+    return {
+        "new_tokens": tokens,
+        "wall_time_s": seconds,
+        "tokens_per_s": tokens / seconds if seconds else float("nan"),
+        "longest_row_tokens": steps,
+        "ms_per_longest_row_token": 1e3 * seconds / steps if steps else float("nan"),
+        # Counted tokens over the slots the batches decoded (rows x longest row): 1.0 when rows end together.
+        "row_fill": tokens / slots if (slots := sum(c.longest * c.rows for c in calls)) else float("nan"),
+    }
 
 
 def _total(values):
