@@ -107,6 +107,9 @@ def attend(
     """query [B, H, Lq, hd], key/value [B, KV, Lk, hd], mask bool [B, 1, Lq, Lk] (True = attend) or a flex
     BlockMask -> [B, Lq, H * hd]."""
     if BlockMask is not None and isinstance(mask, BlockMask):
+        pad = mask.seq_lengths[1] - key.shape[2]
+        if pad > 0:  # keys padded to whole tiles on CPU (see anchors.flex_block_mask); the mask hides them
+            key, value = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (key, value))
         out = _compiled_flex_attention()(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
         out = out.transpose(1, 2)
     else:
