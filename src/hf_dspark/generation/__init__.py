@@ -1,6 +1,6 @@
 """Speculative decoding with hf_dspark drafts through `target.generate(..., assistant_model=draft)`.
 
-    import hf_dspark  # installs the generate() routing (integration.py)
+    import hf_dspark  # a draft, once built or loaded, routes generate(assistant_model=draft) (integration.py)
     out = target.generate(**inputs, assistant_model=draft, max_new_tokens=256, do_sample=True)
     draft.last_generation_stats  # tau, per-position acceptance, verified tokens, draft/verify time
 
@@ -19,8 +19,6 @@ from .sampling import TokenSampler, sample_from
 from .scheduler import SPSTable, load_or_profile_sps, prefix_schedule, profile_sps, threshold_schedule
 from .speculative import SpeculativeConfig, check_draft_for_target, speculative_generate
 from .stats import SpeculativeStats
-
-install()
 
 __all__ = [
     "TokenSampler",
