@@ -107,16 +107,23 @@ def test_cli_train_help_lists_the_draft_and_data_flags(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--target_model", "--train_file", "--algorithm", "--cache_dir", "--num_hidden_layers",
-                 "--block_size", "--max_length", "--max_steps", "--learning_rate"):  # fmt: skip
+                 "--block_size", "--max_length", "--max_steps", "--learning_rate", "--target"):  # fmt: skip
         assert flag in text, flag
+    assert "{dspark,dflash,eagle3}" in text  # --algorithm lists its choices
+    assert "--adam_beta1" not in text and len(text.splitlines()) < 250  # the rest is behind --help_all
+    with pytest.raises(SystemExit):
+        main(["train", "--help_all"])
+    assert "--adam_beta1" in capsys.readouterr().out
 
 
-def test_cli_train_typo_in_algorithm_names_the_choices(tiny_setup):
+def test_cli_train_typo_in_algorithm_names_the_choices(tiny_setup, capsys):
     from hf_dspark.cli import main
 
     flags = common_flags(tiny_setup, "typo", "dspork")
-    with pytest.raises(ValueError, match="dspark, dflash, eagle3"):
+    with pytest.raises(SystemExit) as exit_info:  # the parser's own choices check
         main(["train", *flags])
+    assert exit_info.value.code == 2
+    assert "choose from" in capsys.readouterr().err
 
 
 def test_accelerate_configs_load_and_point_to_the_deepspeed_json():

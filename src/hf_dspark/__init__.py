@@ -1,23 +1,14 @@
 """hf_dspark: speculative-decoding draft models (DSpark, DFlash, Eagle3) as first-class Hugging Face models.
 
-`import hf_dspark` registers the drafts with AutoConfig/AutoModel and routes
-`target.generate(..., assistant_model=draft)` to hf_dspark's lossless speculative loop. The data, training,
-evaluation and hub stages are imported on first use of one of their names.
+`import hf_dspark` registers the drafts with AutoConfig/AutoModel and does nothing else. The first draft built or
+loaded routes `target.generate(..., assistant_model=draft)` to hf_dspark's lossless speculative loop
+(generation/integration.py). Every other name (generation, data, training, evaluation, hub) is imported on first
+use.
 """
 
 from __future__ import annotations
 
 from ._lazy import lazy_attributes
-from .generation import (
-    CalibrationReport,
-    SpeculativeConfig,
-    SpeculativeStats,
-    SPSTable,
-    TokenSampler,
-    calibrate_confidence,
-    load_or_profile_sps,
-    profile_sps,
-)
 from .models import (
     DRAFTERS,
     BlockDraftOutput,
@@ -59,7 +50,12 @@ _LAZY = {
         ["push_draft", "export_draft", "load_draft", "generate_model_card", "apply_lora", "merge_lora"],
         "hf_dspark.hub",
     ),
-    **dict.fromkeys(["load_default_target", "default_target_path"], "hf_dspark.resources"),
+    **dict.fromkeys(["load_default_target", "load_target", "default_target_path"], "hf_dspark.resources"),
+    **dict.fromkeys(
+        ["CalibrationReport", "SpeculativeConfig", "SpeculativeStats", "SPSTable", "TokenSampler",
+         "calibrate_confidence", "load_or_profile_sps", "profile_sps"],
+        "hf_dspark.generation",
+    ),
 }  # fmt: skip
 
 
@@ -84,13 +80,5 @@ __all__ = [
     "TargetFeatureHooks",
     "default_target_layer_ids",
     "target_features",
-    "TokenSampler",
-    "SpeculativeConfig",
-    "SpeculativeStats",
-    "SPSTable",
-    "profile_sps",
-    "load_or_profile_sps",
-    "calibrate_confidence",
-    "CalibrationReport",
     *_LAZY,
 ]
