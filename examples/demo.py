@@ -48,8 +48,8 @@ def parse_args():
     )  # fmt: skip
     p.add_argument("--minutes", type=float, default=None, help="training time budget (default: 3 on CPU, 10 on CUDA)")
     p.add_argument("--train_rows", type=int, default=10_000, help="at most this many conversations are used")
-    p.add_argument("--eval_prompts", type=int, default=None, help="held-out prompts (default: 4 on CPU, 6 on CUDA)")
-    p.add_argument("--max_new_tokens", type=int, default=None, help="default: 64 on CPU, 128 on CUDA")
+    p.add_argument("--eval_prompts", type=int, default=None, help="held-out prompts (default: 3 on CPU, 6 on CUDA)")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="default: 48 on CPU, 128 on CUDA")
     return p.parse_args()
 
 
@@ -116,8 +116,8 @@ def main():
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     minutes = args.minutes if args.minutes is not None else (10.0 if cuda else 3.0)
-    eval_prompts = args.eval_prompts or (6 if cuda else 4)
-    max_new_tokens = args.max_new_tokens or (128 if cuda else 64)
+    eval_prompts = args.eval_prompts or (6 if cuda else 3)
+    max_new_tokens = args.max_new_tokens or (128 if cuda else 48)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -171,8 +171,7 @@ def main():
     )
     budget = TimeBudget(minutes * 60)
     trainer = DraftTrainer(args=training_args, train_dataset=rows, target_model=target, callbacks=[budget])
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(transformers_printer())
+    trainer.remove_callback(ProgressCallback)  # TimeBudget shows progress in seconds
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -252,12 +251,6 @@ def main():
             "results are the real measurements."
         )
     print(f"results: {out / 'demo_results.json'}; hf_dspark {hf_dspark.__version__}")
-
-
-def transformers_printer():
-    from transformers.trainer_callback import PrinterCallback
-
-    return PrinterCallback
 
 
 if __name__ == "__main__":
