@@ -97,3 +97,19 @@ def test_parsing_loads_no_stage_code(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_help_and_argument_errors_load_no_torch():
+    """Started as `hf-dspark`, --help and a bad argument exit before torch is imported."""
+    import subprocess
+    import sys
+
+    for argv, code in ((["--help"], 0), (["eval", "--help"], 0), (["eval", "--nope"], 2)):
+        script = (
+            f"import atexit, sys\nsys.argv = ['hf-dspark', *{argv!r}]\n"
+            "atexit.register(lambda: print('torch loaded' if 'torch' in sys.modules else 'no torch'))\n"
+            "from hf_dspark.cli import main\nsys.exit(main())\n"
+        )
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert out.returncode == code, out.stderr[-2000:]
+        assert out.stdout.strip().endswith("no torch"), (argv, out.stdout[-500:])

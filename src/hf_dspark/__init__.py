@@ -8,26 +8,16 @@ use.
 
 from __future__ import annotations
 
+import os
+import sys
+
 from ._lazy import lazy_attributes
-from .models import (
-    DRAFTERS,
-    BlockDraftOutput,
-    DFlashConfig,
-    DFlashModel,
-    DraftConfig,
-    DraftPreTrainedModel,
-    DraftProposal,
-    DSparkConfig,
-    DSparkModel,
-    Eagle3Config,
-    Eagle3Model,
-    Eagle3Output,
-    TargetFeatureHooks,
-    TargetSpec,
-    default_target_layer_ids,
-    drafter_classes,
-    target_features,
-)
+
+_MODELS = [
+    "DRAFTERS", "BlockDraftOutput", "DFlashConfig", "DFlashModel", "DraftConfig", "DraftPreTrainedModel",
+    "DraftProposal", "DSparkConfig", "DSparkModel", "Eagle3Config", "Eagle3Model", "Eagle3Output", "TargetFeatureHooks",
+    "TargetSpec", "default_target_layer_ids", "drafter_classes", "target_features",
+]  # fmt: skip
 
 __version__ = "0.1.0"
 
@@ -50,6 +40,7 @@ _LAZY = {
         ["push_draft", "export_draft", "load_draft", "generate_model_card", "apply_lora", "merge_lora"],
         "hf_dspark.hub",
     ),
+    **dict.fromkeys(_MODELS, "hf_dspark.models"),
     **dict.fromkeys(["load_default_target", "load_target", "default_target_path"], "hf_dspark.resources"),
     **dict.fromkeys(
         ["CalibrationReport", "SpeculativeConfig", "SpeculativeStats", "SPSTable", "TokenSampler",
@@ -61,24 +52,10 @@ _LAZY = {
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
+# Register the drafts with the Auto classes (this imports torch and transformers). The `hf-dspark` command skips
+# it here so that --help and argument errors are instant; it imports the models after parsing (cli.main).
+if os.path.basename(sys.argv[0] if sys.argv else "") != "hf-dspark":
+    from . import models  # noqa: F401
 
-__all__ = [
-    "DRAFTERS",
-    "drafter_classes",
-    "DraftConfig",
-    "DraftPreTrainedModel",
-    "DraftProposal",
-    "DSparkConfig",
-    "DSparkModel",
-    "BlockDraftOutput",
-    "DFlashConfig",
-    "DFlashModel",
-    "Eagle3Config",
-    "Eagle3Model",
-    "Eagle3Output",
-    "TargetSpec",
-    "TargetFeatureHooks",
-    "default_target_layer_ids",
-    "target_features",
-    *_LAZY,
-]
+
+__all__ = [*_LAZY]

@@ -4,8 +4,9 @@ Each stage owns its subcommands in a `cli.py` next to its code (data, training, 
 exposing `register(subparsers)`. A subcommand's options are one dataclass parsed by transformers'
 `HfArgumentParser` (`add_command`), which accepts every option as `--foo_bar` and `--foo-bar`. One vocabulary
 across subcommands: `--target` (a local model folder), `--target_dtype`, `--device`, `--output_dir` (a folder) or
-`--output` (a file); older spellings stay as deprecated aliases. The stage modules import nothing heavy at module
-level, so `--help` and argument errors come before torch is loaded.
+`--output` (a file); older spellings stay as deprecated aliases (listed in --help, noted on use). The stage
+modules import nothing heavy at module level, and `import hf_dspark` skips the models when started as
+`hf-dspark`, so `--help` and argument errors come before torch is loaded.
 
 Errors in what the user asked for (a missing folder, an empty prompt file, an unknown drafter: ValueError,
 OSError, ImportError) print one line and exit with status 2; `--debug` (before the subcommand) or
@@ -58,7 +59,7 @@ def add_command(subparsers, name: str, arguments, func, help: str, description: 
 
 
 def field(default=dataclasses.MISSING, *, help: str, aliases: list[str] | None = None, **metadata):
-    """A dataclass field with its --help text (and deprecated spellings in `aliases`, hidden from --help)."""
+    """A dataclass field with its --help text (and deprecated spellings in `aliases`)."""
     metadata["help"] = help
     if aliases:
         metadata["aliases"] = aliases
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         _deprecated_spellings(args.command, args.arguments, argv)
     debug = args.debug or os.environ.get("HF_DSPARK_DEBUG", "") not in ("", "0")
     try:
-        arguments = _arguments(args)
+        arguments = _arguments(args)  # the dataclass's own checks, still before anything heavy
+        importlib.import_module("hf_dspark.models")  # registers the Auto classes (see hf_dspark/__init__.py)
         return int(args.func(arguments) or 0)
     except USER_ERRORS as err:
         if debug:
