@@ -137,6 +137,11 @@ def test_frozen_target_copies_are_saved_in_bf16_only_when_lossless(tmp_path):
     assert loaded.embed_tokens.weight.dtype == torch.float32
     assert torch.equal(loaded.embed_tokens.weight, draft.embed_tokens.weight)
 
+    target.config.tie_word_embeddings = True  # a tied lm_head is still stored once
+    build(DSparkModel, target).save_pretrained(tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and f.get_tensor("embed_tokens.weight").dtype == torch.bfloat16
+
     fp32_target = make_tiny_target("llama")  # float32 values: bf16 would round them, so they stay float32
     build(DSparkModel, fp32_target).save_pretrained(tmp_path / "fp32")
     with safe_open(str(tmp_path / "fp32" / "model.safetensors"), "pt") as f:

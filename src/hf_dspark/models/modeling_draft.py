@@ -92,12 +92,16 @@ class DraftPreTrainedModel(PreTrainedModel):
         halves a float32 draft's folder. Loading casts them back to the model's dtype."""
         if state_dict is None:
             state_dict = self.state_dict()
+            compacted = {}  # by storage: a tied lm_head stays one tensor, so it is still saved once
             for name in ("embed_tokens.weight", "lm_head.weight"):
                 weight = state_dict.get(name)
-                if weight is not None and weight.dtype == torch.float32:
+                if weight is None or weight.dtype != torch.float32:
+                    continue
+                key = weight.untyped_storage().data_ptr()
+                if key not in compacted:
                     compact = weight.to(torch.bfloat16)
-                    if torch.equal(compact.float(), weight):
-                        state_dict[name] = compact
+                    compacted[key] = compact if torch.equal(compact.float(), weight) else weight
+                state_dict[name] = compacted[key]
         return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
 
     @classmethod
