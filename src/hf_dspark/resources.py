@@ -9,6 +9,7 @@ dependencies would compile llama.cpp; only its GGUF file is read).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -49,6 +52,7 @@ def default_target_path() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file()
+    logger.warning("converting %s once into %s ($HF_DSPARK_CACHE, default ~/.cache/hf_dspark)", gguf.name, out)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
