@@ -122,7 +122,10 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     if cuda:
-        step(f"CUDA ({torch.cuda.get_device_name()}): training for {minutes:g} minutes, then comparing speed")
+        step(
+            f"CUDA ({torch.cuda.get_device_name()}): training for {minutes:g} minutes (the first step compiles "
+            "flex attention, 1-2 minutes of the budget), then comparing speed"
+        )
     else:
         step(
             f"CPU run: training for {minutes:g} minutes. A CPU run shows the whole pipeline and that greedy output "
