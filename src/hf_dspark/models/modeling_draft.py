@@ -87,9 +87,9 @@ class DraftPreTrainedModel(PreTrainedModel):
         install()
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
-        """As transformers', but the frozen copies of the target's embeddings and lm_head are stored in bfloat16
-        when that is lossless (they came from a bf16/fp16-trained checkpoint; the default target's are), which
-        halves a float32 draft's folder. Loading casts them back to the model's dtype."""
+        """As transformers', but the frozen float32 copies of the target's embeddings and lm_head are stored in
+        bfloat16 when that is lossless (the target's checkpoint was bf16, as the default target's is), which halves
+        their share of the folder. Loading casts them back to the model's dtype."""
         if state_dict is None:
             state_dict = self.state_dict()
             compacted = {}  # by storage: a tied lm_head stays one tensor, so it is still saved once
