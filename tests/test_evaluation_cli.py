@@ -129,7 +129,8 @@ def test_eval_end_to_end(workdir, capsys):
     assert "| dspark |" in markdown and "| eagle3 |" in markdown
 
 
-def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="turns"):
-        main(["eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dflash"), "--data",
-              str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")])
+def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path, capsys):
+    code = main(["eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dflash"), "--data",
+                 str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")])
+    assert code == 2
+    assert "turns" in capsys.readouterr().err

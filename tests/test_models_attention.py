@@ -197,6 +197,34 @@ def test_flex_block_mask_matches_dense_mask(qwen3):
     torch.testing.assert_close(flex.confidence_logits, dense.confidence_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_flex_attention_reads_no_memory_past_the_keys():
+    """The compiled CPU flex kernel over-reads a partial last key tile on some ISAs (AVX2): with NaN stored right
+    after the keys, the last batch row turned NaN. The mask pads keys to whole tiles; NaN beyond must not leak."""
+    from hf_dspark.models.anchors import flex_block_mask
+    from hf_dspark.models.backbone import attend
+
+    batch, heads, kv_heads, head_dim, context = 2, 4, 2, 16, 40
+    anchors = torch.tensor([[3, 11, 20, 33], [0, 8, 9, 30]])
+    q_len = anchors.shape[1] * BLOCK
+    g = torch.Generator().manual_seed(0)
+
+    def nan_tailed(*shape):  # a tensor followed in memory by NaN
+        buf = torch.full((torch.Size(shape).numel() + 4096,), float("nan"))
+        out = buf[: torch.Size(shape).numel()].view(shape)
+        return out.copy_(torch.randn(shape, generator=g))
+
+    query = nan_tailed(batch, heads, q_len, head_dim)
+    key = nan_tailed(batch, kv_heads, context + q_len, head_dim)
+    value = nan_tailed(batch, kv_heads, context + q_len, head_dim)
+    module = torch.nn.Module()
+    module.scaling, module.num_key_value_groups = head_dim**-0.5, heads // kv_heads
+    with torch.no_grad():
+        flex = attend(module, query, key, value, flex_block_mask(anchors, context, BLOCK), "flex")
+        dense = attend(module, query, key, value, dense_block_mask(anchors, context, BLOCK), "sdpa")
+    assert not flex.isnan().any()
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.slow
 def test_flex_path_serves_several_sequence_lengths(qwen3):
     """Training batches change length; the compiled flex kernel must keep working (and agree with dense)."""

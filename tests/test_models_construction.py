@@ -119,3 +119,66 @@ def test_drafts_are_importable_from_the_package_root():
     for name in ("DSparkConfig", "DSparkModel", "DFlashConfig", "DFlashModel", "Eagle3Config", "Eagle3Model"):
         assert hasattr(hf_dspark, name)
     assert AutoConfig.for_model("dspark").model_type == "dspark"
+
+
+def test_frozen_target_copies_are_saved_in_bf16_only_when_lossless(tmp_path):
+    from safetensors import safe_open
+
+    target = make_tiny_target("llama")
+    with torch.no_grad():  # a target trained and shipped in bf16, loaded in float32 (the default target's case)
+        for p in target.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    draft = build(DSparkModel, target)
+    draft.save_pretrained(tmp_path / "bf16")
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("embed_tokens.weight").dtype == torch.bfloat16
+        assert f.get_tensor("fc.weight").dtype == torch.float32  # trained weights keep their dtype
+    loaded = AutoModel.from_pretrained(tmp_path / "bf16")
+    assert loaded.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(loaded.embed_tokens.weight, draft.embed_tokens.weight)
+
+    target.config.tie_word_embeddings = True  # a tied lm_head is still stored once
+    build(DSparkModel, target).save_pretrained(tmp_path / "tied")
+    with safe_open(str(tmp_path / "tied" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and f.get_tensor("embed_tokens.weight").dtype == torch.bfloat16
+
+    fp32_target = make_tiny_target("llama")  # float32 values: bf16 would round them, so they stay float32
+    build(DSparkModel, fp32_target).save_pretrained(tmp_path / "fp32")
+    with safe_open(str(tmp_path / "fp32" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("embed_tokens.weight").dtype == torch.float32
+
+
+def test_a_draft_warns_once_when_the_target_has_other_weights(caplog):
+    target = make_tiny_target("llama")
+    draft = build(DSparkModel, target)
+    with caplog.at_level("WARNING", logger="hf_dspark.models.modeling_draft"):
+        draft.check_target(target)
+        assert not caplog.records
+        other = make_tiny_target("llama")
+        with torch.no_grad():
+            other.get_input_embeddings().weight.add_(1.0)  # same shape, other weights
+        draft.check_target(other)
+        draft.check_target(other)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "other weights" in messages[0]
+
+
+def test_import_has_no_side_effects_beyond_the_auto_classes():
+    """`import hf_dspark` registers the Auto classes only: generate() stays transformers' own until a draft
+    exists, and dynamo's global limits are untouched."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, hf_dspark\n"
+        "from transformers import AutoConfig\n"
+        "from transformers.generation.utils import GenerationMixin\n"
+        "from hf_dspark.generation import integration\n"
+        "assert AutoConfig.for_model('dspark').model_type == 'dspark'\n"
+        "assert not integration.is_installed()\n"
+        "assert 'torch._dynamo' not in __import__('sys').modules or torch._dynamo.config.recompile_limit == 8\n"
+        "hf_dspark.DSparkConfig  # noqa\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

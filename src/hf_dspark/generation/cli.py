@@ -3,71 +3,85 @@ hardware-aware prefix scheduler)."""
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from ..cli import TARGET_DTYPES, add_command, field
 
-from ..data.prompts import first_turns
-from ..resources import load_target
+TARGET_HELP = "target model folder (default: the embedded SmolLM2-135M-Instruct)"
+DEVICE_HELP = "default: cuda when available, else cpu"
+
+
+@dataclass
+class CalibrateArguments:
+    draft: str = field(help="draft folder (save_pretrained output)")
+    prompts: str = field(help='JSONL(.gz) prompts, {"turns": [...]} rows (first turn)')
+    output_dir: str | None = field(None, help="folder for the calibrated draft (weights + config + calibration.json)",
+                                   aliases=["--output"])  # fmt: skip
+    in_place: bool = field(False, help="update the draft folder's config.json instead of writing --output_dir")
+    target: str | None = field(None, help=TARGET_HELP)
+    target_dtype: str = field("auto", help="dtype of target and draft", choices=TARGET_DTYPES, aliases=["--dtype"])
+    device: str | None = field(None, help=DEVICE_HELP)
+    num_prompts: int = field(64, help="prompts used (the first N)")
+    max_new_tokens: int = field(128, help="tokens per rollout")
+    batch_size: int = field(8, help="prompts per generate() call")
+    temperature: float = field(1.0, help="sampling temperature (0 = greedy)")
+    holdout: float = field(0.3, help="share of rounds kept out of the fit for the report")
+    seed: int = field(0, help="random seed")
+
+    def __post_init__(self):
+        if (self.output_dir is None) == (not self.in_place):
+            raise ValueError("give exactly one of --output_dir FOLDER and --in_place")
+
+
+@dataclass
+class ProfileSpsArguments:
+    target: str | None = field(None, help=TARGET_HELP)
+    target_dtype: str = field("auto", help="dtype the target runs in", choices=TARGET_DTYPES, aliases=["--dtype"])
+    device: str | None = field(None, help=DEVICE_HELP)
+    batch_size: list[int] = field([1], help="rows per forward (one table each)")
+    max_width: int = field(16, help="tokens per row: 1..max_width")
+    context_length: int = field(128, help="prefilled context tokens")
+    repeats: int = field(5, help="timed forwards per width")
+    refresh: bool = field(False, help="re-profile even when a cached table exists")
+    output: str | None = field(None, help="also write the tables to this JSON file")
 
 
 def register(subparsers) -> None:
-    cal = subparsers.add_parser(
-        "calibrate",
+    add_command(
+        subparsers, "calibrate", CalibrateArguments, run_calibrate,
         help="fit STS confidence temperatures of a DSpark draft on speculative rollouts",
         description="Roll out the target with the draft on prompts, fit per-slot temperatures (Sequential "
         "Temperature Scaling) and save the draft with them in its config.",
-    )
-    cal.add_argument("--draft", required=True, help="draft folder (save_pretrained output)")
-    cal.add_argument("--target", default=None, help="target folder (default: the embedded SmolLM2-135M-Instruct)")
-    cal.add_argument("--prompts", required=True, help='JSONL(.gz) prompts, {"turns": [...]} rows (first turn)')
-    cal.add_argument("--num-prompts", type=int, default=64)
-    cal.add_argument("--max-new-tokens", type=int, default=128)
-    cal.add_argument("--batch-size", type=int, default=8)
-    cal.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    cal.add_argument("--holdout", type=float, default=0.3, help="share of rounds kept out of the fit for the report")
-    cal.add_argument("--seed", type=int, default=0)
-    _device_args(cal)
-    out = cal.add_mutually_exclusive_group(required=True)
-    out.add_argument("--output", help="folder for the calibrated draft (weights + config + calibration.json)")
-    out.add_argument("--in-place", action="store_true", help="update the draft folder's config.json")
-    cal.set_defaults(func=run_calibrate)
-
-    prof = subparsers.add_parser(
-        "profile-sps",
+    )  # fmt: skip
+    add_command(
+        subparsers, "profile-sps", ProfileSpsArguments, run_profile_sps,
         help="profile the target's forward steps per second SPS(B) for the prefix scheduler",
         description="Measure SPS(B) = target forward steps per second at B = rows x width tokens on this device "
-        "and cache the table under ~/.cache/hf_dspark/sps/ (generate() finds it there).",
-    )
-    prof.add_argument("--target", default=None, help="target folder (default: the embedded SmolLM2-135M-Instruct)")
-    prof.add_argument("--batch-size", type=int, nargs="+", default=[1], help="rows per forward (one table each)")
-    prof.add_argument("--max-width", type=int, default=16, help="tokens per row: 1..max-width")
-    prof.add_argument("--context-length", type=int, default=128)
-    prof.add_argument("--repeats", type=int, default=5)
-    prof.add_argument("--refresh", action="store_true", help="re-profile even when a cached table exists")
-    prof.add_argument("--output", help="also write the tables to this JSON file")
-    _device_args(prof)
-    prof.set_defaults(func=run_profile_sps)
+        "and cache the table under $HF_DSPARK_CACHE/sps/ (default ~/.cache/hf_dspark; generate() finds it there).",
+    )  # fmt: skip
 
 
-def _device_args(parser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+def _device(name: str | None) -> str:
+    import torch
+
+    return name or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-
-
-
-
-def run_calibrate(args: argparse.Namespace) -> int:
+def run_calibrate(args: CalibrateArguments) -> int:
+    import torch
     from transformers import AutoModel
 
+    from ..data.prompts import first_turns
+    from ..resources import load_target
     from .calibration import calibrate_confidence
 
-    target, tokenizer = load_target(args.target, args.device, args.dtype)
-    draft = AutoModel.from_pretrained(args.draft).to(args.device).eval()
+    device = _device(args.device)
+    if not Path(args.draft).is_dir():
+        raise FileNotFoundError(f"draft folder {args.draft} does not exist (a save_pretrained folder)")
+    target, tokenizer = load_target(args.target, device, args.target_dtype)
+    draft = AutoModel.from_pretrained(args.draft).to(device).eval()
     prompts = first_turns(args.prompts, args.num_prompts)
     torch.manual_seed(args.seed)
     sample = args.temperature > 0
@@ -83,7 +97,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         do_sample=sample,
         temperature=args.temperature if sample else 1.0,
     )
-    output = Path(args.draft) if args.in_place else Path(args.output)
+    output = Path(args.draft) if args.in_place else Path(args.output_dir)
     if args.in_place:
         draft.config.save_pretrained(output)  # weights are unchanged: only config.json is rewritten
     else:
@@ -94,10 +108,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_profile_sps(args: argparse.Namespace) -> int:
+def run_profile_sps(args: ProfileSpsArguments) -> int:
+    from ..resources import load_target
     from .scheduler import load_or_profile_sps
 
-    target, _ = load_target(args.target, args.device, args.dtype, with_tokenizer=False)
+    target, _ = load_target(args.target, _device(args.device), args.target_dtype, with_tokenizer=False)
     tables = {}
     for rows in args.batch_size:
         table = load_or_profile_sps(

@@ -1,8 +1,10 @@
 """How `target.generate(..., assistant_model=draft)` reaches hf_dspark.
 
 transformers has no registry for assistant types: `_assisted_decoding` and `_get_candidate_generator` are
-hard-coded, and the loop only runs batch 1. `import hf_dspark` therefore installs one small wrapper around
-`GenerationMixin.generate` (`install()`, idempotent; `uninstall()` restores the original):
+hard-coded, and the loop only runs batch 1. hf_dspark therefore installs one small wrapper around
+`GenerationMixin.generate` (`install()`, idempotent; `uninstall()` restores the original). Importing hf_dspark does
+not install it: the first draft model built or loaded does (`DraftPreTrainedModel.post_init`), since only a
+draft can be an hf_dspark `assistant_model`. Once installed:
 
 - when `assistant_model` is not a `DraftPreTrainedModel`, the call goes to transformers untouched;
 - when it is, the wrapper removes `assistant_model` and the `dspark_*` keywords, and calls the original

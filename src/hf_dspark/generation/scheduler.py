@@ -18,10 +18,10 @@ kept only to demonstrate (in tests) that it breaks this property; generate() nev
 
 SPS(B) is the target's forward steps per second when B tokens are verified in one forward. `profile_sps`
 measures it on the current device ([rows, width] inputs over a prefilled cache, B = rows x width) and
-`load_or_profile_sps` caches the table as JSON under `~/.cache/hf_dspark/sps/`, keyed by model identity,
-dtype, device name, rows and context length. `SPSTable` interpolates the step *time* 1/SPS linearly between
-profiled points (time is close to affine in B), clamps it below the profiled range, and above it assumes
-compute-bound scaling (time grows in proportion to B), the conservative choice.
+`load_or_profile_sps` caches the table as JSON under `$HF_DSPARK_CACHE/sps/` (default `~/.cache/hf_dspark`;
+logged), keyed by model identity, dtype, device name, rows and context length. `SPSTable` interpolates the step
+*time* 1/SPS linearly between profiled points (time is close to affine in B), clamps it below the profiled range,
+and above it assumes compute-bound scaling (time grows in proportion to B), the conservative choice.
 
 Tokens are counted as in the paper, B = sum_r (1 + l_r) (one anchor per row plus its verified slots). The
 batched loop pads rows to the widest one, so its true cost is closer to rows x (1 + max_r l_r); the greedy
@@ -31,6 +31,7 @@ admission order keeps rows balanced, which keeps the two close.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
@@ -44,6 +45,8 @@ import numpy as np
 import torch
 
 SCHEDULES = ("none", "threshold", "prefix")
+
+logger = logging.getLogger(__name__)
 
 
 # -- cost table ---------------------------------------------------------------------------------------------
@@ -280,7 +283,12 @@ def load_or_profile_sps(
     """The cached SPS table for (model, dtype, device, rows, context length), profiled and cached when missing."""
     path = sps_cache_path(model, batch_size, context_length)
     if path.is_file() and not refresh:
+        logger.info("SPS table for batch %d read from %s", batch_size, path)
         return SPSTable.load(path)
+    logger.warning(
+        "profiling the target's SPS table for batch %d (a few seconds, once); cached in %s "
+        "(folder: $HF_DSPARK_CACHE, default ~/.cache/hf_dspark)", batch_size, path
+    )
     table = profile_sps(model, batch_size=batch_size, context_length=context_length, **profile_kwargs)
     table.meta["path"] = str(path)
     table.save(path)

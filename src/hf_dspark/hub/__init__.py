@@ -8,11 +8,17 @@
 - cli.py: `hf-dspark card | export | import | push`.
 """
 
-from .cards import generate_model_card, write_model_card
-from .convert import export_draft, foreign_format, load_draft, load_foreign_draft
-from .formats import FORMATS, ExportError, ExportResult, ForeignCheckpointError
-from .peft_utils import apply_lora, load_lora_adapter, merge_lora, save_lora_adapter
-from .push import push_draft, push_target_cache, stage_draft
+from .._lazy import lazy_attributes
+
+# name -> defining module, imported on first use (keeps `import hf_dspark.<stage>.cli` light for --help).
+_EXPORTS = {
+    **dict.fromkeys(["generate_model_card", "write_model_card"], ".cards"),
+    **dict.fromkeys(["export_draft", "foreign_format", "load_draft", "load_foreign_draft"], ".convert"),
+    **dict.fromkeys(["FORMATS", "ExportError", "ExportResult", "ForeignCheckpointError"], ".formats"),
+    **dict.fromkeys(["apply_lora", "load_lora_adapter", "merge_lora", "save_lora_adapter"], ".peft_utils"),
+    **dict.fromkeys(["push_draft", "push_target_cache", "stage_draft"], ".push"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 
 __all__ = [
     "FORMATS",

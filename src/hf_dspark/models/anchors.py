@@ -69,23 +69,34 @@ def dense_block_mask(anchor_positions: torch.Tensor, context_len: int, block_siz
     return torch.cat([sees_ctx, sees_block], dim=-1).unsqueeze(1)
 
 
+# flex_attention's key tile (BlockMask.BLOCK_SIZE[1]).
+FLEX_KV_TILE = 128
+
+
 def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size: int):
-    """The same rule as a flex_attention BlockMask (sparse: blocks skip masked tiles)."""
+    """The same rule as a flex_attention BlockMask (sparse: blocks skip masked tiles).
+
+    On CPU the mask covers keys padded to whole 128-key tiles (`attend` pads keys/values to
+    `mask.seq_lengths[1]`): torch's compiled CPU flex kernel reads key rows past the end of a partial last tile
+    on some ISAs (seen with AVX2, torch 2.13), so the last batch row attended to whatever memory followed the key
+    tensor (NaN or garbage). Padded keys fall outside every block and are masked out. CUDA needs no padding.
+    """
     if create_block_mask is None:  # pragma: no cover
         raise RuntimeError("flex_attention is not available in this torch build")
     batch, num_blocks = anchor_positions.shape
     q_len = num_blocks * block_size
+    kv_len = context_len + q_len
+    if anchor_positions.device.type == "cpu":
+        kv_len = -(-kv_len // FLEX_KV_TILE) * FLEX_KV_TILE
     q_anchor = anchor_positions.repeat_interleave(block_size, dim=1)  # [B, Q]
 
     def mask_mod(b, h, q_idx, kv_idx):
         in_ctx = kv_idx < context_len
         sees_ctx = kv_idx < q_anchor[b, q_idx]
-        same_block = (kv_idx - context_len) // block_size == q_idx // block_size
+        same_block = (kv_idx - context_len) // block_size == q_idx // block_size  # padding: block >= N
         return (in_ctx & sees_ctx) | (~in_ctx & same_block)
 
-    return create_block_mask(
-        mask_mod, batch, None, q_len, context_len + q_len, device=anchor_positions.device, _compile=True
-    )
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchor_positions.device, _compile=True)
 
 
 __all__ = ["anchor_candidates", "sample_anchors", "block_positions", "dense_block_mask", "flex_block_mask"]

@@ -107,7 +107,14 @@ def attend(
     """query [B, H, Lq, hd], key/value [B, KV, Lk, hd], mask bool [B, 1, Lq, Lk] (True = attend) or a flex
     BlockMask -> [B, Lq, H * hd]."""
     if BlockMask is not None and isinstance(mask, BlockMask):
-        out = _compiled_flex_attention()(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
+        pad = mask.seq_lengths[1] - key.shape[2]
+        if pad > 0:  # keys padded to whole tiles on CPU (see anchors.flex_block_mask); the mask hides them
+            key, value = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (key, value))
+        # Variable-length training compiles once per padded length: allow more recompiles than dynamo's default
+        # of 8 (past it, flex silently falls back to an unfused, memory-hungry path), for this call only.
+        compiled, limits = _compiled_flex_attention()
+        with torch._dynamo.config.patch(**limits):
+            out = compiled(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
         out = out.transpose(1, 2)
     else:
         if implementation == "eager" and mask is not None:
@@ -124,17 +131,14 @@ _FLEX = None
 
 
 def _compiled_flex_attention():
+    """(compiled flex_attention, dynamo config overrides to call it under)."""
     global _FLEX
     if _FLEX is None:
-        # Static shapes (the path validated on CPU and CUDA; CPU inductor cannot compile flex with symbolic
-        # lengths). Variable-length training compiles once per padded length, so allow more recompiles than
-        # dynamo's default of 8 (past the limit it would silently fall back to an unfused, memory-hungry path);
-        # `pad_to_multiple_of` in the training arguments keeps the number of lengths small.
+        # Static shapes: the path validated on CPU and CUDA (CPU inductor cannot compile flex with symbolic
+        # lengths). `pad_to_multiple_of` in the training arguments keeps the number of lengths small.
         config = torch._dynamo.config
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(config, name):
-                setattr(config, name, max(getattr(config, name), 64))
-        _FLEX = torch.compile(flex_attention, dynamic=False)
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        _FLEX = torch.compile(flex_attention, dynamic=False), {name: max(getattr(config, name), 64)}
     return _FLEX
 
 

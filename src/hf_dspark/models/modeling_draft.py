@@ -99,6 +99,28 @@ class DraftPreTrainedModel(PreTrainedModel):
     def post_init(self):
         super().post_init()
         self.freeze_target_io()
+        # A draft exists, so generate(assistant_model=draft) may follow: route it (idempotent, import-free).
+        from ..generation.integration import install
+
+        install()
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        """As transformers', but the frozen float32 copies of the target's embeddings and lm_head are stored in
+        bfloat16 when that is lossless (the target's checkpoint was bf16, as the default target's is), which halves
+        their share of the folder. Loading casts them back to the model's dtype."""
+        if state_dict is None:
+            state_dict = self.state_dict()
+            compacted = {}  # by storage: a tied lm_head stays one tensor, so it is still saved once
+            for name in ("embed_tokens.weight", "lm_head.weight"):
+                weight = state_dict.get(name)
+                if weight is None or weight.dtype != torch.float32:
+                    continue
+                key = weight.untyped_storage().data_ptr()
+                if key not in compacted:
+                    compact = weight.to(torch.bfloat16)
+                    compacted[key] = compact if torch.equal(compact.float(), weight) else weight
+                state_dict[name] = compacted[key]
+        return super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -233,6 +255,7 @@ class DraftPreTrainedModel(PreTrainedModel):
             validate_layer_ids(cfg.target_layer_ids or [], spec.num_hidden_layers)
         except ValueError as err:
             raise ValueError(f"the draft reads target layers this target cannot provide: {err}") from None
+        self._check_target_weights(target)
         recorded_name = getattr(cfg, "target_name_or_path", None)
         if recorded_name and spec.name_or_path and recorded_name != spec.name_or_path:
             logger.warning(
@@ -241,6 +264,26 @@ class DraftPreTrainedModel(PreTrainedModel):
                 recorded_name,
                 spec.name_or_path,
             )
+
+    def _check_target_weights(self, target: nn.Module) -> None:
+        """Warn (once per target) when the target's weights differ from the ones the draft was trained for.
+
+        Same architecture, other weights (base vs fine-tuned, another checkpoint): the draft still decodes
+        losslessly but proposes for the wrong model, so acceptance collapses. Costs a hash of three small weight
+        slices."""
+        recorded = getattr(self.config, "target_weights_fingerprint", None)
+        checked = self.__dict__.setdefault("_checked_targets", set())
+        if not recorded or id(target) in checked:
+            return
+        checked.add(id(target))
+        actual = target_weights_fingerprint(target)
+        if actual is not None and actual != recorded:
+            logger.warning(
+                "this draft was trained for a target with other weights (fingerprint %s..., this target %s...): "
+                "same architecture, different checkpoint (%r), so expect few accepted tokens. Use the draft trained "
+                "for this target, or train one with %s.from_target(target).",
+                recorded[:12], actual[:12], getattr(target.config, "_name_or_path", ""), type(self).__name__,
+            )  # fmt: skip
 
     # -- shared computations ----------------------------------------------------------------------------------
 

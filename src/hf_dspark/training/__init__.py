@@ -1,10 +1,16 @@
 """Training: the drafters' objectives, `DraftTrainingArguments`, `DraftTrainer` and the `train_draft` recipe."""
 
-from .arguments import DraftTrainingArguments
-from .collator import DraftDataCollator
-from .losses import DraftLossOutput, block_draft_loss, draft_loss, eagle3_loss, fused_head_loss
-from .script import DraftScriptArguments, train_draft
-from .trainer import DraftTrainer, build_draft
+from .._lazy import lazy_attributes
+
+# name -> defining module, imported on first use (keeps `import hf_dspark.<stage>.cli` light for --help).
+_EXPORTS = {
+    **dict.fromkeys(["DraftTrainingArguments"], ".arguments"),
+    **dict.fromkeys(["DraftDataCollator"], ".collator"),
+    **dict.fromkeys(["DraftLossOutput", "block_draft_loss", "draft_loss", "eagle3_loss", "fused_head_loss"], ".losses"),
+    **dict.fromkeys(["DraftScriptArguments", "train_draft"], ".script"),
+    **dict.fromkeys(["DraftTrainer", "build_draft"], ".trainer"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 
 __all__ = [
     "DraftTrainingArguments",

@@ -29,7 +29,8 @@ class DraftScriptArguments:
         }
     )
     target_model: str | None = field(
-        default=None, metadata={"help": "Target model folder or Hub name (default: embedded SmolLM2-135M-Instruct)."}
+        default=None,
+        metadata={"help": "Target model folder (default: embedded SmolLM2-135M-Instruct).", "aliases": ["--target"]},
     )
     cache_dir: str | None = field(
         default=None,
