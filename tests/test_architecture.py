@@ -25,6 +25,7 @@ LAYERS = [
     ("training and generation", ["training", "generation"]),
     ("evaluation", ["evaluation"]),
     ("hub", ["hub"]),
+    ("cli vocabulary", ["cli_args"]),
     ("cli", ["cli", "*.cli"]),
 ]
 

@@ -15,7 +15,7 @@ import torch
 from conftest import make_tiny_target
 
 from hf_dspark import DSparkModel, Eagle3Model
-from hf_dspark.models.target import target_features
+from hf_dspark.target import target_features
 from hf_dspark.training.losses import block_draft_loss, eagle3_loss, fused_head_loss
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -74,7 +74,15 @@ def load_models() -> None:
         foreign_format=_hub_function("foreign_format"),
         load_foreign_draft=_hub_function("load_foreign_draft"),
         push_draft=_hub_function("push_draft"),
+        install_generation=_install_generation,
     )
+
+
+def _install_generation() -> None:
+    """Route generate(assistant_model=<draft>) to hf_dspark's loop; called when the first draft is built."""
+    from .generation.integration import install
+
+    install()
 
 
 # The `hf-dspark` command skips this at import so that --help and argument errors are instant; it calls

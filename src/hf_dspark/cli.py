@@ -21,6 +21,8 @@ import importlib
 import os
 import sys
 
+from .cli_args import TARGET_DTYPES, add_command, field  # noqa: F401 (the stage CLIs' shared vocabulary)
+
 # Stage modules in workflow order; each has register(subparsers).
 STAGES = (
     "hf_dspark.data.cli",
@@ -29,9 +31,6 @@ STAGES = (
     "hf_dspark.evaluation.cli",
     "hf_dspark.hub.cli",
 )
-
-# The same choices wherever a target's weights dtype is chosen ("auto": bfloat16 on CUDA, float32 on CPU).
-TARGET_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 # What a user can get wrong (paths, file contents, names, missing extras); anything else is a bug: traceback.
 USER_ERRORS = (ValueError, OSError, ImportError)
@@ -49,23 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name in STAGES:
         importlib.import_module(name).register(subparsers)
     return parser
-
-
-def add_command(subparsers, name: str, arguments, func, help: str, description: str | None = None):
-    """Subcommand `name` whose options are the fields of the dataclass `arguments`; `func(arguments(...))`."""
-    parser = subparsers.add_parser(name, dataclass_types=[arguments], help=help, description=description or help)
-    parser.set_defaults(func=func, arguments=arguments)
-    return parser
-
-
-def field(default=dataclasses.MISSING, *, help: str, aliases: list[str] | None = None, **metadata):
-    """A dataclass field with its --help text (and deprecated spellings in `aliases`)."""
-    metadata["help"] = help
-    if aliases:
-        metadata["aliases"] = aliases
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 def _arguments(namespace: argparse.Namespace):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cli import TARGET_DTYPES, add_command, field
+from ..cli_args import TARGET_DTYPES, add_command, field
 
 TARGET_HELP = "target model folder (default: the embedded SmolLM2-135M-Instruct)"
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import TARGET_DTYPES, add_command, field
+from ..cli_args import TARGET_DTYPES, add_command, field
 
 
 @dataclass

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import TARGET_DTYPES, add_command, field
+from ..cli_args import TARGET_DTYPES, add_command, field
 
 TARGET_HELP = "target model folder (default: the embedded SmolLM2-135M-Instruct)"
 DEVICE_HELP = "default: cuda when available, else cpu"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from ..cli import add_command, field
+from ..cli_args import add_command, field
 
 # The names of hub.formats.FORMATS, spelled out so that `--help` imports no torch (a test keeps them equal).
 EXPORT_FORMATS = ("vllm", "sglang", "speculators", "deepspec", "dflash")

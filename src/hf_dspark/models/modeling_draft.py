@@ -36,14 +36,23 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_TARGET_FEATURES = 5
 
-# Hub functions the model methods offer (foreign-checkpoint loading, card-writing push). The hub package sits a
-# layer above this one, so the package root binds them here (`bind_hub_services`) instead of this module
-# importing upward (docs/ARCHITECTURE.md).
+# Functions of higher layers the model methods offer: foreign-checkpoint loading and card-writing push (hub), and
+# routing generate(assistant_model=draft) once a draft exists (generation). Those packages sit above this one, so
+# the package root binds them here (`bind_hub_services`) instead of this module importing upward
+# (docs/ARCHITECTURE.md).
 _hub_services: dict[str, Callable] = {}
 
 
-def bind_hub_services(*, foreign_format: Callable, load_foreign_draft: Callable, push_draft: Callable) -> None:
+def bind_hub_services(
+    *,
+    foreign_format: Callable,
+    load_foreign_draft: Callable,
+    push_draft: Callable,
+    install_generation: Callable | None = None,
+) -> None:
     _hub_services.update(foreign_format=foreign_format, load_foreign_draft=load_foreign_draft, push_draft=push_draft)
+    if install_generation is not None:
+        _hub_services["install_generation"] = install_generation
 
 
 def _hub_service(name: str) -> Callable:
@@ -99,10 +108,10 @@ class DraftPreTrainedModel(PreTrainedModel):
     def post_init(self):
         super().post_init()
         self.freeze_target_io()
-        # A draft exists, so generate(assistant_model=draft) may follow: route it (idempotent, import-free).
-        from ..generation.integration import install
-
-        install()
+        # A draft exists, so generate(assistant_model=draft) may follow: route it (idempotent; bound by the root).
+        install = _hub_services.get("install_generation")
+        if install is not None:
+            install()
 
     def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
         """As transformers', but the frozen float32 copies of the target's embeddings and lm_head are stored in

@@ -35,20 +35,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .loss_buffers import DEFAULT_CHUNK_ELEMENTS, _mm_acc, chunk_rows
+
 from ..metrics import training_acceptance_estimates
 
 logger = logging.getLogger(__name__)
-
-# Elements of one [rows, V] fp32 buffer per chunk (2**26 = 256 MiB): 384 rows at V = 151,936.
-DEFAULT_CHUNK_ELEMENTS = 2**26
-
-
-def chunk_rows(vocab_size: int, chunk_elements: int | None = None) -> int:
-    """Rows per chunk so that a [rows, vocab] fp32 buffer holds about `chunk_elements` elements."""
-    budget = chunk_elements or DEFAULT_CHUNK_ELEMENTS
-    rows = max(1, budget // max(1, vocab_size))
-    return rows if rows < 128 else rows - rows % 128  # whole GEMM tiles
-
 
 # -- the fused, row-chunked head loss ---------------------------------------------------------------------------
 
@@ -109,9 +100,6 @@ def _chunk_math(u, ut, labels, w_ce, w_l1, w_soft, cap, want_grad):
 
 _COMPILED_CHUNK_MATH = None
 _TRITON_FAILED = False  # set when backend="auto" saw the Triton kernels fail: later calls go straight to torch
-_MM_OUT_DTYPE_OK = True  # torch.mm(..., out_dtype=fp32) for bf16/fp16 inputs (CUDA kernels); probed on first use
-
-
 def _get_chunk_math(compile: bool):
     """torch.compile fuses the elementwise passes over [rows, V]; any compile failure falls back to eager."""
     global _COMPILED_CHUNK_MATH
@@ -120,17 +108,6 @@ def _get_chunk_math(compile: bool):
     if _COMPILED_CHUNK_MATH is None:
         _COMPILED_CHUNK_MATH = torch.compile(_chunk_math, dynamic=False)
     return _COMPILED_CHUNK_MATH
-
-
-def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
-    """a @ b returned in acc_dtype; half-precision inputs accumulate straight into fp32 where supported."""
-    global _MM_OUT_DTYPE_OK
-    if _MM_OUT_DTYPE_OK and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE_OK = False
-    return (a @ b).to(acc_dtype)
 
 
 def _triton_forward(hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft, opts, need):

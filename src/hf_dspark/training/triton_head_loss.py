@@ -504,7 +504,7 @@ def triton_head_loss(
             formed = pass3(per_row, S, (grad_h, grad_z, grad_w2), None)
             sums = formed if sums_in_pass3 else sums
         else:
-            from .losses import _mm_acc, chunk_rows
+            from .loss_buffers import _mm_acc, chunk_rows
 
             rows = max(tiles.block_m, chunk_rows(V, chunk_elements) // tiles.block_m * tiles.block_m)
             g_buffer = torch.empty(min(rows, S), V, dtype=W.dtype, device=device)

@@ -1,0 +1,33 @@
+"""What both loss backends share: the row-chunk size that bounds a [rows, V] buffer, and a matmul that
+accumulates half-precision inputs into float32 (losses.py, triton_head_loss.py)."""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of one [rows, V] fp32 buffer per chunk (2**26 = 256 MiB): 384 rows at V = 151,936.
+DEFAULT_CHUNK_ELEMENTS = 2**26
+
+
+def chunk_rows(vocab_size: int, chunk_elements: int | None = None) -> int:
+    """Rows per chunk so that a [rows, vocab] fp32 buffer holds about `chunk_elements` elements."""
+    budget = chunk_elements or DEFAULT_CHUNK_ELEMENTS
+    rows = max(1, budget // max(1, vocab_size))
+    return rows if rows < 128 else rows - rows % 128  # whole GEMM tiles
+
+
+_MM_OUT_DTYPE_OK = True  # torch.mm(..., out_dtype=fp32) for bf16/fp16 inputs (CUDA kernels); probed on first use
+
+
+def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b returned in acc_dtype; half-precision inputs accumulate straight into fp32 where supported."""
+    global _MM_OUT_DTYPE_OK
+    if _MM_OUT_DTYPE_OK and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK = False
+    return (a @ b).to(acc_dtype)
+
+
+__all__ = ["DEFAULT_CHUNK_ELEMENTS", "chunk_rows"]
