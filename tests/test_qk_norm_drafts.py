@@ -27,7 +27,7 @@ def rows(n: int = 4, vocab: int = 96) -> datasets.Dataset:
 
 def args(tmp_path, **kw) -> DraftTrainingArguments:
     return DraftTrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, learning_rate=1e-2,
+        output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, learning_rate=1e-2, warmup_steps=0,
         report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True, block_size=4, num_hidden_layers=1,
         seed=7, **kw,
     )

@@ -288,3 +288,36 @@ def test_max_train_minutes_stops_training_and_saves(tmp_path):
     assert [p.name for p in saved] == [f"checkpoint-{trainer.state.global_step}"]
     with pytest.raises(ValueError, match="max_train_minutes must be > 0"):
         make_args(tmp_path, max_train_minutes=0)
+
+
+def test_defaults_are_the_tested_recipe():
+    """A user who passes only the required arguments trains with the recipe benchmarks/README.md measured."""
+    from transformers import HfArgumentParser
+
+    from hf_dspark.training import DraftScriptArguments
+
+    script, args = HfArgumentParser((DraftScriptArguments, DraftTrainingArguments)).parse_args_into_dataclasses(
+        ["--train_file", "chats.jsonl", "--output_dir", "out", "--use_cpu", "true"]
+    )
+    assert (args.learning_rate, str(args.lr_scheduler_type.value if hasattr(args.lr_scheduler_type, "value")
+            else args.lr_scheduler_type), args.warmup_steps) == (6e-4, "cosine", 0.04)  # fmt: skip
+    assert args.per_device_train_batch_size == 16 and args.max_length == 1024 and args.pad_to_multiple_of == 256
+    assert args.train_sampling_strategy == "group_by_length" and args.loss_backend == "torch"
+    assert args.bf16 is False and args.compile_loss is False  # no GPU: full precision, eager loss
+
+
+def test_length_grouped_order_is_fixed_by_data_seed_and_epoch():
+    from hf_dspark.training.trainer import SeededLengthGroupedSampler
+
+    lengths = [int(x) for x in torch.randint(10, 1000, (400,), generator=torch.Generator().manual_seed(0))]
+    make = lambda seed: SeededLengthGroupedSampler(8, lengths, seed)  # noqa: E731
+    first = list(make(1))
+    assert sorted(first) == list(range(400)) and first == list(make(1))  # a permutation, the same every run
+    assert first != list(make(2))
+    later = make(1)
+    later.set_epoch(1)
+    assert list(later) != first  # a new order each epoch, and the same one when a resumed run reaches that epoch
+    spread = lambda order: sum(max(lengths[i] for i in b) - min(lengths[i] for i in b)  # noqa: E731
+                               for b in (order[k : k + 8] for k in range(0, 400, 8)))
+    shuffled = torch.randperm(400, generator=torch.Generator().manual_seed(3)).tolist()
+    assert spread(first) < spread(shuffled) / 2  # batches of similar lengths: less padding

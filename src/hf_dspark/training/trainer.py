@@ -167,6 +167,20 @@ class DraftTrainer(Trainer):
         )
         return super().train(resume, *args, **kwargs)
 
+    # -- data order ---------------------------------------------------------------------------------------------
+
+    def _get_train_sampler(self, train_dataset=None):
+        """Length-grouped batches (little padding) in an order fixed by `data_seed` and the epoch, so a run, its
+        repetition and its resumption see the same batches; Trainer's own length-grouped sampler draws from the
+        global RNG. Other strategies (and datasets without lengths) are Trainer's."""
+        dataset = self.train_dataset if train_dataset is None else train_dataset
+        if self.args.train_sampling_strategy == "group_by_length":
+            lengths = _row_lengths(dataset)
+            if lengths is not None:
+                batch = self.args.train_batch_size * self.args.gradient_accumulation_steps
+                return SeededLengthGroupedSampler(batch, lengths, data_seed(self.args))
+        return super()._get_train_sampler(train_dataset)
+
     # -- the loss ---------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -289,6 +303,39 @@ class DraftTrainer(Trainer):
             # In place: evaluate() returns this very dict.
             logs.update({prefix + k: v for k, v in self._summarize(mode).items()})
         super().log(logs, start_time)
+
+
+class SeededLengthGroupedSampler(torch.utils.data.Sampler):
+    """Trainer's length grouping (mega-batches of 50 batches sorted by length, the longest batch first) with a
+    generator seeded by (seed, epoch) instead of the global RNG."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int):
+        self.batch_size, self.lengths, self.seed, self.epoch = batch_size, list(lengths), int(seed), 0
+
+    def set_epoch(self, epoch: int) -> None:  # called by accelerate's data loader at every epoch
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        generator = torch.Generator().manual_seed(_mix_seed(self.seed, self.epoch))
+        return iter(get_length_grouped_indices(self.lengths, self.batch_size, generator=generator))
+
+
+def _row_lengths(dataset) -> list[int] | None:
+    """Token count of every row: a target cache knows them; a tokenized dataset has `input_ids`."""
+    lengths = getattr(dataset, "lengths", None)
+    if lengths is not None and not callable(lengths):
+        return list(lengths)
+    try:
+        if "input_ids" in (getattr(dataset, "column_names", None) or ()):
+            return [len(ids) for ids in dataset["input_ids"]]
+    except (TypeError, KeyError):
+        pass
+    return None
 
 
 class TrainingDeadline(TrainerCallback):

@@ -41,7 +41,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #   "chunked"  the kernel writes g for a chunk of rows ([rows, V] in the compute dtype, `chunk_elements` large)
 #              and cuBLAS multiplies: no atomics, one bounded buffer
 GRAD_MODES = ("fused", "chunked")
-DEFAULT_GRAD_MODE = "fused"
+DEFAULT_GRAD_MODE = "chunked"  # measured on an H200 at SmolLM2 shapes: 111 ms vs 143 ms fused (atomics)
 
 
 @dataclass(frozen=True)
