@@ -23,6 +23,35 @@ def hardware(device) -> dict:
     return info
 
 
+def bench_training_args(args, algorithm: str, output_dir: str, cuda: bool, **overrides):
+    """DraftTrainingArguments of a benchmark run: the draft shape and batch from the script's flags, bf16 and fused
+    AdamW on CUDA, no checkpoints or reporting, no per-step host reads of the loss."""
+    from hf_dspark import DraftTrainingArguments
+
+    fields = dict(
+        output_dir=output_dir,
+        algorithm=algorithm,
+        num_hidden_layers=None if algorithm == "eagle3" else args.num_hidden_layers,
+        block_size=args.block_size,
+        num_anchors=None if algorithm == "eagle3" else args.num_anchors,
+        max_length=args.max_length,
+        pad_to_multiple_of=args.pad_to_multiple_of or args.max_length,
+        compile_loss=cuda if args.compile_loss is None else args.compile_loss,
+        per_device_train_batch_size=args.batch_size,
+        bf16=cuda,
+        optim="adamw_torch_fused" if cuda else "adamw_torch",
+        logging_nan_inf_filter=False,  # the filter reads the loss on the host every step
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not cuda,
+        dataloader_num_workers=args.dataloader_num_workers,
+        dataloader_pin_memory=cuda,
+        seed=args.seed,
+    )
+    fields.update(overrides)
+    return DraftTrainingArguments(**fields)
+
+
 def tiny_target(num_rows: int = 8, length: int = 64, seed: int = 0):
     """(random tiny Llama target, tokenized rows) for --smoke runs: rows carry input_ids and a loss mask on their
     second half, as `tokenize_conversations` produces them."""

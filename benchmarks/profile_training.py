@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import hardware, tiny_target  # noqa: E402
+from _bench_common import bench_training_args, hardware, tiny_target  # noqa: E402
 
 PHASES = ("data", "target", "draft", "loss", "backward", "optimizer")
 
@@ -82,7 +82,7 @@ def parse_args(argv=None):
 
 
 def build(args, cuda: bool, output_dir: str):
-    from hf_dspark import DraftTrainer, DraftTrainingArguments
+    from hf_dspark import DraftTrainer
     from hf_dspark.data import load_conversations, tokenize_conversations
 
     if args.smoke:
@@ -97,31 +97,10 @@ def build(args, cuda: bool, output_dir: str):
     extra = {}
     if args.loss_backend is not None:
         extra["loss_backend"] = args.loss_backend
-    training_args = DraftTrainingArguments(
-        output_dir=output_dir,
-        algorithm=args.algorithm,
-        num_hidden_layers=None if args.algorithm == "eagle3" else args.num_hidden_layers,
-        block_size=args.block_size,
-        num_anchors=None if args.algorithm == "eagle3" else args.num_anchors,
-        max_length=args.max_length,
-        pad_to_multiple_of=args.pad_to_multiple_of or args.max_length,
-        compile_loss=cuda if args.compile_loss is None else args.compile_loss,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=6e-4,
-        max_steps=10_000,
-        bf16=cuda,
-        optim="adamw_torch_fused" if cuda else "adamw_torch",
-        logging_steps=10_000,
-        logging_nan_inf_filter=False,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=not cuda,
-        dataloader_num_workers=args.dataloader_num_workers,
-        dataloader_pin_memory=cuda,
-        seed=args.seed,
-        disable_tqdm=True,
-        **extra,
-    )
+    training_args = bench_training_args(
+        args, args.algorithm, output_dir, cuda, learning_rate=6e-4, max_steps=10_000, logging_steps=10_000,
+        disable_tqdm=True, **extra,
+    )  # fmt: skip
     trainer = DraftTrainer(args=training_args, train_dataset=rows, target_model=target)
     if hasattr(trainer.model, "block_mask_kind"):
         trainer.model.block_mask_kind = args.attention

@@ -33,8 +33,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import bench_training_args  # noqa: E402
+
 from hf_dspark.data import build_target_cache, load_conversations, load_target_cache, tokenize_conversations
-from hf_dspark.training import DraftTrainer, DraftTrainingArguments, build_draft
+from hf_dspark.training import DraftTrainer, build_draft
 
 
 def parse_args(argv=None):
@@ -198,17 +201,8 @@ def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
 
 def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda) -> dict:
     """Train one drafter (online or from a cache) and measure it."""
-    layers = None if algorithm == "eagle3" else args.num_hidden_layers
-    training_args = DraftTrainingArguments(
-        output_dir=output_dir,
-        algorithm=algorithm,
-        num_hidden_layers=layers,
-        block_size=args.block_size,
-        num_anchors=None if algorithm == "eagle3" else args.num_anchors,
-        max_length=args.max_length,
-        pad_to_multiple_of=args.pad_to_multiple_of,
-        compile_loss=args.compile_loss,
-        per_device_train_batch_size=args.batch_size,
+    training_args = bench_training_args(
+        args, algorithm, output_dir, cuda,
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
@@ -217,18 +211,9 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         weight_decay=0.0,
         max_grad_norm=1.0,
         max_steps=max_steps,
-        bf16=cuda,
-        optim="adamw_torch_fused" if cuda else "adamw_torch",
         logging_steps=50 if not args.smoke else 1,
-        logging_nan_inf_filter=False,  # the filter reads the loss on the host every step
-        save_strategy="no",
-        report_to="none",
-        use_cpu=not cuda,
-        dataloader_num_workers=args.dataloader_num_workers,
-        dataloader_pin_memory=cuda,
-        seed=args.seed,
         disable_tqdm=False,
-    )
+    )  # fmt: skip
     torch.manual_seed(args.seed)
     draft = build_draft(target, training_args)
     if hasattr(draft, "block_mask_kind"):
