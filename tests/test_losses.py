@@ -387,3 +387,37 @@ def test_auto_backend_falls_back_to_torch_when_the_kernels_fail(monkeypatch):
     expected, _ = fused_head_loss(h, W, labels, w, backend="torch")
     assert losses._TRITON_FAILED and torch.equal(loss, expected)
     torch.testing.assert_close(torch.autograd.grad(loss, h)[0], torch.autograd.grad(expected, h)[0])
+
+
+def _row(outputs, b: int, dim: int):
+    """The outputs of one batch row (`dim`: the batch dimension of the per-slot tensors)."""
+    sliced = {}
+    for key, value in outputs.items():
+        d = dim if value.dim() > dim and key not in ("anchor_positions", "anchor_mask") else 0
+        sliced[key] = value.narrow(d, b, 1)
+    return type(outputs)(**sliced)
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
+def test_sequence_normalization_averages_each_sequences_own_loss(drafter):
+    """normalization="sequence": the mean over rows of each row's token-normalized loss (gradients included), and
+    unlike the default it does not let the longer row dominate."""
+    target = make_tiny_target("llama").double()
+    if drafter == "dspark":
+        draft, objective, dim = tiny_dspark(target), block_draft_loss, 0
+    else:
+        draft, objective, dim = Eagle3Model.from_target(target, block_size=3, dtype=torch.float64), eagle3_loss, 1
+    input_ids, loss_mask = batch_for(target)
+    ctx, last = features(target, draft, input_ids)
+    kwargs = {"generator": torch.Generator().manual_seed(0)} if drafter == "dspark" else {}
+    out = draft(input_ids, ctx, loss_mask, target_last_hidden=last, **kwargs)
+    rows = input_ids.shape[0]
+    per_row = [objective(draft, _row(out, b, dim)) for b in range(rows)]
+    seq = objective(draft, out, normalization="sequence")
+    torch.testing.assert_close(seq.loss, sum(r.loss for r in per_row) / rows)
+    for name, value in seq.terms.items():
+        torch.testing.assert_close(value, sum(r.terms[name] for r in per_row) / rows)
+    token = objective(draft, out)
+    assert not torch.allclose(token.loss, seq.loss)  # the rows have different numbers of supervised slots
+    with pytest.raises(ValueError, match="normalization must be one of token, sequence"):
+        objective(draft, out, normalization="batch")

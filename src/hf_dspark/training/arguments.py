@@ -74,6 +74,11 @@ class DraftTrainingArguments(TrainingArguments):
             "~4x less loss memory, ~3% slower at SmolLM2 shapes on an H200) or auto (Triton on CUDA)."
         },
     )
+    loss_normalization: str = field(
+        default="token",
+        metadata={"help": "Average the loss over supervised tokens (token) or per sequence, then over sequences "
+                  "(sequence, as the reference implementation)."},
+    )
     max_train_minutes: float | None = field(
         default=None,
         metadata={

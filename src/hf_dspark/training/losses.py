@@ -8,8 +8,9 @@ Block drafters (DSpark, DFlash), per valid slot k of a block, w_k = exp(-(k-1)/l
 Eagle3, TTT step j (0-based), weight step_loss_decay ** j, masked by the step's eval_mask:
     SCE = -sum_v p_t(v) log p_d(v)        against the target distribution of that step
 Each term is  sum(w * term over valid slots) / sum(w over valid slots),  numerators and denominators summed
-over all data-parallel ranks. Eagle3 uses the same normalization with w = step_loss_decay ** j over every
-valid (step, position) pair.
+over all data-parallel ranks ("token" normalization, the default). Eagle3 uses the same normalization with
+w = step_loss_decay ** j over every valid (step, position) pair. normalization="sequence" instead averages each
+sequence's normalized term over the sequences of the global batch (`_normalized`).
 
 Memory. The [slots, V] logits dominate (3584 x 151,936 at DeepSpec's shapes). `fused_head_loss` walks the
 slots in row chunks sized so that one chunk's [rows, V] fp32 tensors stay within a fixed element budget, and
@@ -371,24 +372,39 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return torch.exp(-k / gamma)
 
 
-def _normalizer(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global denominator sum(w over valid slots) and the per-rank scale world / denominator."""
-    denom, world = global_sum(weight.sum())
-    denom = denom.clamp_min(torch.finfo(torch.float32).tiny)
-    return denom, world / denom
+NORMALIZATIONS = ("token", "sequence")
+
+
+def _normalized(weight: torch.Tensor, normalization: str, sequence_dim: int) -> tuple[torch.Tensor, int]:
+    """(w_norm, world): per-slot weights whose sum over all ranks is 1, and the data-parallel world size.
+
+    "token": every supervised slot counts alike, w / sum(w) over all ranks (long answers weigh more).
+    "sequence": each sequence's slots share one unit, then sequences are averaged over all ranks (as the reference
+    implementation normalizes), w / sum(w of its sequence) / number of sequences with a supervised slot.
+    """
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"loss normalization must be one of {', '.join(NORMALIZATIONS)}, got {normalization!r}")
+    tiny = torch.finfo(torch.float32).tiny
+    if normalization == "token":
+        denom, world = global_sum(weight.sum())
+        return weight / denom.clamp_min(tiny), world
+    dims = [d for d in range(weight.dim()) if d != sequence_dim]
+    per_sequence = weight.sum(dim=dims, keepdim=True)  # [1.., B, ..1]
+    count, world = global_sum((per_sequence > 0).sum().float())
+    return weight / per_sequence.clamp_min(tiny) / count.clamp_min(1.0), world
 
 
 def block_draft_loss(
-    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto"
+    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
+    normalization: str = "token",
 ) -> DraftLossOutput:
-    """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring)."""
+    """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring; `normalization`: `_normalized`)."""
     cfg = draft.config
     hidden = outputs.hidden_states  # [B, N, K, d]
     K, d = hidden.shape[-2], hidden.shape[-1]
     mask = outputs.eval_mask.float()  # [B, N, K]
-    weight = mask * slot_weights(K, cfg.loss_decay_gamma, hidden.device)
-    denom, scale = _normalizer(weight)
-    row_w = (weight * scale).reshape(-1)
+    weight, world = _normalized(mask * slot_weights(K, cfg.loss_decay_gamma, hidden.device), normalization, 0)
+    row_w = (weight * world).reshape(-1)
 
     target_hidden = outputs.target_hidden_states
     needs_target = cfg.l1_loss_alpha > 0 or (cfg.confidence_head_alpha > 0 and outputs.confidence_logits is not None)
@@ -413,23 +429,24 @@ def block_draft_loss(
         backend=backend,
     )
     shape = weight.shape
-    terms = {"loss_ce": (weight * stats.ce.view(shape)).sum() / denom}
+    terms = {"loss_ce": (weight * stats.ce.view(shape)).sum()}
     estimates = {"supervised_tokens": mask.sum()}
     if stats.l1 is not None:
         l1 = stats.l1.view(shape)
         accept = (1 - 0.5 * l1).clamp(0, 1)  # c*_k: the acceptance probability of slot k
-        terms["loss_l1"] = (weight * l1).sum() / denom
+        terms["loss_l1"] = (weight * l1).sum()
         if outputs.confidence_logits is not None:
             bce = F.binary_cross_entropy_with_logits(outputs.confidence_logits.float(), accept, reduction="none")
             # Added even when confidence_head_alpha is 0, so DDP sees a gradient for every parameter.
-            loss = loss + cfg.confidence_head_alpha * (weight * scale * bce).sum()
-            terms["loss_conf"] = (weight * bce).sum().detach() / denom
+            loss = loss + cfg.confidence_head_alpha * (weight * world * bce).sum()
+            terms["loss_conf"] = (weight * bce).sum().detach()
         estimates.update(training_acceptance_estimates(accept, stats.greedy_match.view(shape), outputs.eval_mask))
     return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
 
 
 def eagle3_loss(
-    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto"
+    draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
+    normalization: str = "token",
 ) -> DraftLossOutput:
     """Eagle3 training-time-test objective from an `Eagle3Output` (see the module docstring)."""
     cfg = draft.config
@@ -441,9 +458,8 @@ def eagle3_loss(
         )
     mask = outputs.eval_mask.float()  # [J, B, T]
     decay = cfg.step_loss_decay ** torch.arange(J, dtype=torch.float32, device=hidden.device)
-    weight = mask * decay[:, None, None]
-    denom, scale = _normalizer(weight)
-    row_w = (weight * scale).reshape(-1)
+    weight, world = _normalized(mask * decay[:, None, None], normalization, 1)
+    row_w = (weight * world).reshape(-1)
     target_hidden = outputs.target_hidden_states
     loss, stats = fused_head_loss(
         hidden.reshape(-1, d),
@@ -458,7 +474,7 @@ def eagle3_loss(
         backend=backend,
     )
     shape = weight.shape
-    terms = {"loss_soft_ce": (weight * stats.soft_ce.view(shape)).sum() / denom}
+    terms = {"loss_soft_ce": (weight * stats.soft_ce.view(shape)).sum()}
     # Position t drafts steps 0..J-1 in one round: estimates treat [B, T] as blocks of J slots.
     to_blocks = lambda x: x.view(shape).permute(1, 2, 0)  # noqa: E731
     accept = (1 - 0.5 * to_blocks(stats.l1)).clamp(0, 1)

@@ -202,6 +202,7 @@ class DraftTrainer(Trainer):
                 chunk_elements=getattr(self.args, "loss_chunk_elements", None),
                 compile=getattr(self.args, "compile_loss", False),
                 backend=getattr(self.args, "loss_backend", "auto"),
+                normalization=getattr(self.args, "loss_normalization", "token"),
             )
         self._record(mode, result)
         return (result.loss, outputs) if return_outputs else result.loss
