@@ -122,6 +122,8 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     trainer.save_model(training_args.output_dir)
     if eval_dataset is not None:
         trainer.log_metrics("eval", trainer.evaluate())
+    if trainer.is_world_process_zero():
+        trainer.save_state()  # trainer_state.json beside the draft: the whole run's log, final evaluation included
     return trainer
 
 

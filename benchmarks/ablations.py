@@ -1,0 +1,148 @@
+"""Recipe ablations for a draft: each variant is one short training run with the same data order and wall-clock
+budget, logging held-out τ during training; the runs are spread over the GPUs given, one run per GPU at a time.
+
+    python benchmarks/ablations.py --target TARGET_DIR --data 'DATA/*.jsonl.gz' --output_dir ablations \\
+        --minutes 4 --gpus 0 1 [--variants baseline layers_1 qk_norm ...]
+
+Every variant is the default recipe (`examples/train_dspark.py` with no flags) plus the flags listed in VARIANTS,
+so one flag changes at a time. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
+reached, the held-out τ curve) and prints a table of the last held-out τ_prob and τ_greedy.
+
+    python benchmarks/ablations.py --device cpu --smoke --output_dir /tmp/ablations   # tiny CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parent / "examples" / "train_dspark.py"
+
+# name -> flags added to the default recipe (one change each).
+VARIANTS = {
+    "baseline": [],
+    "layers_1": ["--num_hidden_layers", "1"],
+    "layers_3": ["--num_hidden_layers", "3"],
+    "layers_4": ["--num_hidden_layers", "4"],
+    "qk_norm": ["--use_qk_norm", "true"],
+    "lr_3e-4": ["--learning_rate", "3e-4"],
+    "lr_1.2e-3": ["--learning_rate", "1.2e-3"],
+    "warmup_10pct": ["--warmup_steps", "0.1"],
+    "anchors_256": ["--num_anchors", "256"],
+    "anchors_1024": ["--num_anchors", "1024"],
+    "sequence_normalization": ["--loss_normalization", "sequence"],
+    "late_layers": ["--target_layer_ids", "8", "14", "20", "24", "28"],
+    "padded_1024_random_order": ["--train_sampling_strategy", "random", "--pad_to_multiple_of", "1024"],
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default=None, help="target model folder (default: the embedded SmolLM2)")
+    p.add_argument("--data", nargs="+", default=None, help="conversations (files or a quoted glob)")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of each run (compilation included)")
+    p.add_argument("--max_steps", type=int, default=None,
+                   help="schedule length (default: what the budget holds at 0.18 s a step)")  # fmt: skip
+    p.add_argument("--eval_steps", type=int, default=200, help="held-out τ every N steps")
+    p.add_argument("--eval_rows", type=int, default=256)
+    p.add_argument("--gpus", nargs="+", default=["0"], help="CUDA devices; one run per device at a time")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--smoke", action="store_true", help="tiny runs on CPU (checks the driver, not the recipe)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def run_command(args, name: str, flags: list[str]) -> list[str]:
+    out = Path(args.output_dir) / name
+    steps = args.max_steps or max(200, int((args.minutes * 60 - 110) / 0.18))
+    cmd = [sys.executable, str(EXAMPLE), "--train_file", *args.data, "--output_dir", str(out),
+           "--max_steps", str(steps), "--max_train_minutes", str(args.minutes), "--save_strategy", "no",
+           "--eval_strategy", "steps", "--eval_steps", str(args.eval_steps), "--eval_rows", str(args.eval_rows),
+           "--per_device_eval_batch_size", "16", "--logging_steps", str(args.eval_steps), "--report_to", "none",
+           "--disable_tqdm", "True", "--seed", str(args.seed)]  # fmt: skip
+    if args.target:
+        cmd += ["--target_model", args.target]
+    if args.smoke:
+        cmd += ["--use_cpu", "true", "--per_device_train_batch_size", "2", "--max_length", "128",
+                "--num_anchors", "8", "--block_size", "4", "--per_device_eval_batch_size", "2"]  # fmt: skip
+    return cmd + flags  # the variant's flags last: they win over the settings above
+
+
+def curve(folder: Path) -> list[dict]:
+    """Held-out τ by step from the run's log (written by examples/train_dspark.py as trainer_state.json)."""
+    state = folder / "trainer_state.json"
+    if not state.exists():
+        return []
+    history = json.loads(state.read_text()).get("log_history", [])
+    keys = ("eval_tau_prob", "eval_tau_greedy", "eval_loss")
+    return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if "eval_tau_prob" in h]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.smoke:
+        args.device, args.minutes, args.max_steps, args.eval_steps, args.eval_rows = "cpu", 0.5, 4, 2, 4
+        args.variants = args.variants if len(args.variants) < len(VARIANTS) else ["baseline", "sequence_normalization"]
+        if args.data is None:
+            raise SystemExit("--smoke still needs --data (a conversations file the target's tokenizer can render)")
+    if args.data is None:
+        raise SystemExit("--data is required: the target's own answers (JSONL(.gz) conversations)")
+    root = Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    pending = list(args.variants)
+    running: dict[str, tuple[str, subprocess.Popen, float]] = {}
+    free = list(args.gpus if args.device == "cuda" else ["cpu"])
+    results = {}
+    while pending or running:
+        while pending and free:
+            name, gpu = pending.pop(0), free.pop(0)
+            env = dict(os.environ)
+            if args.device == "cuda":
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            log = open(root / f"{name}.log", "w")
+            proc = subprocess.Popen(run_command(args, name, VARIANTS[name]), stdout=log, stderr=subprocess.STDOUT, env=env)
+            running[name] = (gpu, proc, time.monotonic())
+            print(f"started {name} on {gpu}", flush=True)
+        time.sleep(2)
+        for name, (gpu, proc, start) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[name]
+            free.append(gpu)
+            points = curve(root / name)
+            results[name] = {"flags": VARIANTS[name], "returncode": proc.returncode,
+                             "wall_s": time.monotonic() - start, "held_out": points}  # fmt: skip
+            print(f"finished {name} (rc {proc.returncode}): {points[-1] if points else 'no evaluation'}", flush=True)
+    report = {
+        "benchmark": "ablations",
+        "command": "python " + " ".join(sys.argv),
+        "hardware": _hardware(args.device),
+        "minutes_per_run": args.minutes,
+        "variants": results,
+    }
+    (root / "ablations.json").write_text(json.dumps(report, indent=2))
+    print("| variant | flags | last step | held-out τ_prob | held-out τ_greedy |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        last = r["held_out"][-1] if r["held_out"] else {}
+        print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | "
+              f"{last.get('eval_tau_prob', float('nan')):.3f} | {last.get('eval_tau_greedy', float('nan')):.3f} |")
+    return report
+
+
+def _hardware(device: str) -> dict:
+    sys.path.insert(0, str(HERE))
+    from _bench_common import hardware
+
+    return hardware(device)
+
+
+if __name__ == "__main__":
+    main()
