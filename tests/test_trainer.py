@@ -321,3 +321,36 @@ def test_length_grouped_order_is_fixed_by_data_seed_and_epoch():
                                for b in (order[k : k + 8] for k in range(0, 400, 8)))
     shuffled = torch.randperm(400, generator=torch.Generator().manual_seed(3)).tolist()
     assert spread(first) < spread(shuffled) / 2  # batches of similar lengths: less padding
+
+
+def test_a_wrong_launch_fails_at_once_naming_the_change(tmp_path, monkeypatch):
+    """What `accelerate launch` passes through the environment is checked when the arguments are parsed."""
+    import importlib.util
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="mixed_precision: fp16 but the training flags ask for bf16"):
+        DraftTrainingArguments(output_dir=str(tmp_path), bf16=True, use_cpu=True)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    assert DraftTrainingArguments(output_dir=str(tmp_path), use_cpu=True).bf16 is True  # no flag: the launcher's
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    with pytest.raises(ImportError, match="deepspeed is not installed: pip install"):
+        DraftTrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    from hf_dspark.training import arguments
+
+    with pytest.raises(ValueError, match="4 processes were launched on this machine but it has 2 GPU"):
+        arguments._check_launch(_launch_args(use_cpu=False))
+
+
+def _launch_args(**kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(bf16=False, fp16=False, deepspeed=None, **kw)

@@ -92,6 +92,7 @@ class DraftTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        _check_launch(self)
         if self.bf16 is None:
             self.bf16 = _bf16_available() and not self.fp16 and not self.use_cpu
         if self.compile_loss is None:
@@ -106,6 +107,41 @@ class DraftTrainingArguments(TrainingArguments):
             raise ValueError(f"max_train_minutes must be > 0, got {self.max_train_minutes}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+
+
+def _check_launch(args) -> None:
+    """Fail at once, naming the change, on a launch that cannot run as asked (before any model is loaded).
+
+    `accelerate launch` passes its config's choices through the environment: ACCELERATE_MIXED_PRECISION,
+    ACCELERATE_USE_DEEPSPEED, and LOCAL_WORLD_SIZE (processes on this machine)."""
+    import importlib.util
+    import os
+
+    launch = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    asked = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+    if launch in ("bf16", "fp16") and asked is not None and asked != launch:
+        raise ValueError(
+            f"the accelerate config launches with mixed_precision: {launch} but the training flags ask for {asked} "
+            f"(--{asked}): make them agree, either mixed_precision: {asked} in the config or --{launch} instead"
+        )
+    if launch in ("bf16", "fp16") and args.bf16 is None and not args.fp16:
+        args.bf16, args.fp16 = launch == "bf16", launch == "fp16"  # no flag given: the launcher's choice
+    deepspeed = args.deepspeed or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if deepspeed and importlib.util.find_spec("deepspeed") is None:
+        raise ImportError(
+            "this launch uses DeepSpeed (a deepspeed accelerate config or --deepspeed) but deepspeed is not installed: "
+            "pip install 'hf_dspark[deepspeed]', or launch with examples/configs/multi_gpu.yaml for plain DDP"
+        )
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and not args.use_cpu and _cuda_available():
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if int(local) > gpus:
+            raise ValueError(
+                f"{local} processes were launched on this machine but it has {gpus} GPU(s): launch with "
+                f"--num_processes {gpus} (or num_processes: {gpus} in the accelerate config), one process per GPU"
+            )
 
 
 def _cuda_available() -> bool:
