@@ -21,9 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-from transformers import TrainerCallback
-from transformers.trainer_callback import ProgressCallback
 
 import hf_dspark
 from hf_dspark.data import load_conversations, regenerate_responses, tokenize_conversations
@@ -55,42 +52,6 @@ def parse_args():
 
 def step(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-class TimeBudget(TrainerCallback):
-    """Stops training after `seconds` and shows progress in time, not in steps.
-
-    The step count of a time-budgeted run is unknown in advance, so the Trainer's step bar (replaced here) would
-    show `max_steps` and an ETA for all of them."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.bar = None
-        self.last_log = {}
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-        self.bar = tqdm(total=round(self.seconds), unit="s", desc="training", dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s {postfix}")  # fmt: skip
-
-    def on_step_end(self, args, state, control, **kwargs):
-        elapsed = time.perf_counter() - self.start
-        self.bar.n = min(elapsed, self.seconds)
-        postfix = f"step {state.global_step}"
-        if "loss" in self.last_log:
-            postfix += f", loss {self.last_log['loss']:.3f}"
-        if "tau_greedy" in self.last_log:
-            postfix += f", train tau {self.last_log['tau_greedy']:.2f}"
-        self.bar.set_postfix_str(postfix, refresh=False)
-        self.bar.refresh()
-        if elapsed > self.seconds:
-            control.should_training_stop = True
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        self.last_log.update(logs or {})
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.bar.close()
 
 
 def pick_data(choice: str, cuda: bool) -> str:
@@ -164,7 +125,8 @@ def main():
         learning_rate=2e-3,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=10,
-        max_steps=1_000_000,  # the time budget stops training
+        max_steps=1_000_000,  # the time budget stops training (and shows progress in seconds)
+        max_train_minutes=minutes,
         logging_steps=10,
         save_strategy="no",
         report_to="none",
@@ -172,9 +134,7 @@ def main():
         bf16=cuda,
         seed=0,
     )
-    budget = TimeBudget(minutes * 60)
-    trainer = DraftTrainer(args=training_args, train_dataset=rows, target_model=target, callbacks=[budget])
-    trainer.remove_callback(ProgressCallback)  # TimeBudget shows progress in seconds
+    trainer = DraftTrainer(args=training_args, train_dataset=rows, target_model=target)
     start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - start

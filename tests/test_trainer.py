@@ -354,3 +354,17 @@ def _launch_args(**kw):
     from types import SimpleNamespace
 
     return SimpleNamespace(bf16=False, fp16=False, deepspeed=None, **kw)
+
+
+def test_a_time_budget_replaces_the_step_bar_with_one_in_seconds(tmp_path):
+    from transformers.trainer_callback import ProgressCallback
+
+    from hf_dspark.training.trainer import TrainingDeadline
+
+    target = make_tiny_target("llama")
+    shown = DraftTrainer(args=make_args(tmp_path, max_train_minutes=1.0, disable_tqdm=False), train_dataset=tokenized_rows(),
+                         target_model=target)  # fmt: skip
+    kinds = {type(c) for c in shown.callback_handler.callbacks}
+    assert TrainingDeadline in kinds and ProgressCallback not in kinds
+    hidden = DraftTrainer(args=make_args(tmp_path, max_train_minutes=1.0), train_dataset=tokenized_rows(), target_model=target)
+    assert not next(c for c in hidden.callback_handler.callbacks if isinstance(c, TrainingDeadline)).show_progress

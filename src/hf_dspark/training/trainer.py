@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
+from transformers.trainer_callback import ProgressCallback
 
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes
 from ..models.anchors import sample_anchors
@@ -151,7 +152,10 @@ class DraftTrainer(Trainer):
         # The objective normalizes itself; Trainer only divides by the gradient-accumulation steps.
         self.model_accepts_loss_kwargs = False
         if getattr(self.args, "max_train_minutes", None):
-            self.add_callback(TrainingDeadline(self.args.max_train_minutes))
+            deadline = TrainingDeadline(self.args.max_train_minutes, show_progress=not self.args.disable_tqdm)
+            if deadline.show_progress:
+                self.remove_callback(ProgressCallback)  # a step bar would show max_steps and its ETA
+            self.add_callback(deadline)
         self.target_model = None
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
@@ -342,17 +346,41 @@ def _row_lengths(dataset) -> list[int] | None:
 class TrainingDeadline(TrainerCallback):
     """Ends training once `minutes` of wall time have passed since train() began (checked at step ends, so the
     last step completes); the final save and evaluation then run as after the last planned step. Every process
-    reads the main process's decision, so a distributed run stops at the same step everywhere."""
+    reads the main process's decision, so a distributed run stops at the same step everywhere.
 
-    def __init__(self, minutes: float):
+    With `show_progress`, the main process shows the budget in seconds (with the step, loss and training τ) in
+    place of the Trainer's step bar: a time-budgeted run's step count is not known in advance."""
+
+    def __init__(self, minutes: float, show_progress: bool = False):
         self.seconds = 60.0 * minutes
+        self.show_progress = show_progress
         self.start = None
+        self.bar = None
+        self.last_log: dict = {}
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.monotonic()
+        if self.show_progress and state.is_local_process_zero:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=round(self.seconds), unit="s", desc="training", dynamic_ncols=True,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s {postfix}")  # fmt: skip
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.last_log.update(logs or {})
 
     def on_step_end(self, args, state, control, **kwargs):
-        over = self.start is not None and time.monotonic() - self.start >= self.seconds
+        elapsed = time.monotonic() - self.start if self.start is not None else 0.0
+        if self.bar is not None:
+            self.bar.n = min(elapsed, self.seconds)
+            postfix = f"step {state.global_step}"
+            if "loss" in self.last_log:
+                postfix += f", loss {self.last_log['loss']:.3f}"
+            if "tau_greedy" in self.last_log:
+                postfix += f", train tau {self.last_log['tau_greedy']:.2f}"
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.refresh()
+        over = self.start is not None and elapsed >= self.seconds
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if state.global_step % 10:
                 return control  # agree every 10 steps: a collective per step would cost a host sync each
@@ -362,8 +390,15 @@ class TrainingDeadline(TrainerCallback):
         if over:
             logger.info("max_train_minutes=%g reached at step %d: stopping", self.seconds / 60, state.global_step)
             control.should_training_stop = True
-            control.should_save = True
+            # A resumable checkpoint at the stop when the run saves checkpoints at all (the model itself is saved
+            # by whoever called train(), as after the last planned step).
+            control.should_save = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
         return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def _check_dataset(name: str, dataset, draft: DraftPreTrainedModel, target: nn.Module | None) -> None:
