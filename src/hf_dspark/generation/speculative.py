@@ -682,8 +682,8 @@ class _Decoder:
         continuing = [i for i, f in enumerate(finished) if not f]
         keep = max(accepted_h[i] + 1 for i in (continuing or range(n_rows)))
         cache = cache_kw[self.cache_kwarg]
-        if keep < width:
-            cache.crop(-(width - keep))
+        # Always: in transformers 5.17 crop(0) also trims sliding-window layers back to their window.
+        cache.crop(-(width - keep))
         committed = slot[:, :keep] <= accepted[:, None]
         mask = torch.cat([mask, committed.long()], dim=1)
         real = real + accepted + 1
