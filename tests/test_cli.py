@@ -90,7 +90,7 @@ def test_parsing_loads_no_stage_code(tmp_path):
         "import sys\n"
         "from hf_dspark.cli import build_parser\n"
         "build_parser().parse_args(['eval', '--draft', 'd', '--data', 'f', '--output_dir', 'o'])\n"
-        "heavy = ('datasets', 'transformers.trainer', 'transformers.generation.utils', 'hf_dspark.training.trainer',"
+        "heavy = ('datasets', 'transformers.trainer', 'hf_dspark.generation.speculative', 'hf_dspark.training.trainer',"
         " 'hf_dspark.evaluation.runner', 'matplotlib')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
