@@ -23,6 +23,16 @@ def hardware(device) -> dict:
     return info
 
 
+def add_draft_shape_args(p, pad_help: str = "default: max_length (one shape)") -> None:
+    """The flags every training benchmark shares: the draft's shape and the batch."""
+    p.add_argument("--num_hidden_layers", type=int, default=2)
+    p.add_argument("--block_size", type=int, default=7)
+    p.add_argument("--num_anchors", type=int, default=512)
+    p.add_argument("--max_length", type=int, default=1024)
+    p.add_argument("--pad_to_multiple_of", type=int, default=None, help=pad_help)
+    p.add_argument("--batch_size", type=int, default=16)
+
+
 def bench_training_args(args, algorithm: str, output_dir: str, cuda: bool, **overrides):
     """DraftTrainingArguments of a benchmark run: the draft shape and batch from the script's flags, bf16 and fused
     AdamW on CUDA, no checkpoints or reporting, no per-step host reads of the loss."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import bench_training_args, hardware, tiny_target  # noqa: E402
+from _bench_common import add_draft_shape_args, bench_training_args, hardware, tiny_target  # noqa: E402
 
 PHASES = ("data", "target", "draft", "loss", "backward", "optimizer")
 
@@ -60,12 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--target", default=None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default=None, help="conversations answered by the target, JSONL(.gz)")
     p.add_argument("--algorithm", default="dspark", choices=["dspark", "dflash", "eagle3"])
-    p.add_argument("--num_hidden_layers", type=int, default=2)
-    p.add_argument("--block_size", type=int, default=7)
-    p.add_argument("--num_anchors", type=int, default=512)
-    p.add_argument("--max_length", type=int, default=1024)
-    p.add_argument("--pad_to_multiple_of", type=int, default=None, help="default: max_length (one shape)")
-    p.add_argument("--batch_size", type=int, default=16)
+    add_draft_shape_args(p)
     p.add_argument("--steps", type=int, default=8, help="measured steps per measurement")
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation)")
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)

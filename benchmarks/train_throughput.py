@@ -34,7 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import bench_training_args  # noqa: E402
+from _bench_common import add_draft_shape_args, bench_training_args  # noqa: E402
 
 from hf_dspark.data import build_target_cache, load_conversations, load_target_cache, tokenize_conversations
 from hf_dspark.training import DraftTrainer, build_draft
@@ -59,12 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny run: few rows, short sequences, 3 steps")
     p.add_argument("--num_rows", type=int, default=None, help="training conversations (default: all)")
     p.add_argument("--eval_rows", type=int, default=256, help="held-out conversations for the tau estimates")
-    p.add_argument("--num_hidden_layers", type=int, default=2)
-    p.add_argument("--block_size", type=int, default=7)
-    p.add_argument("--num_anchors", type=int, default=512)
-    p.add_argument("--max_length", type=int, default=1024)
-    p.add_argument("--pad_to_multiple_of", type=int, default=None, help="default: max_length (one shape)")
-    p.add_argument("--batch_size", type=int, default=16)
+    add_draft_shape_args(p)
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
     p.add_argument("--learning_rate", type=float, default=6e-4)
     p.add_argument("--warmup_steps", type=int, default=50, help="linear LR warm-up, then constant")

@@ -219,6 +219,13 @@ def _sign(x):
     return tl.where(x > 0, 1.0, tl.where(x < 0, -1.0, 0.0))
 
 
+@triton.jit
+def _l1_sums(p, q, u, ok):
+    """Row sums over one tile: sum |p - q|, sum sign(p - q) p, sum q u (the L1 term, its gradient's scalar, SCE)."""
+    diff = p - q
+    return tl.sum(tl.abs(diff), axis=1), tl.sum(_sign(diff) * p, axis=1), tl.sum(tl.where(ok, q * u, 0.0), axis=1)
+
+
 @triton.jit(do_not_specialize=["tiles_per_split"])  # one build for any split count
 def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_ptr, S, V, D, R, cap, tiles_per_split,
                   HAS_MARKOV: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -238,10 +245,10 @@ def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_p
         col_ok = cols < V
         u, p, q, ok = _probs(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, rows, row_ok, cols, col_ok, D,
                              R, cap, HAS_MARKOV, True, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_D, PRECISION)  # fmt: skip
-        diff = p - q
-        l1 += tl.sum(tl.abs(diff), axis=1)
-        sign_p += tl.sum(_sign(diff) * p, axis=1)
-        qu += tl.sum(tl.where(ok, q * u, 0.0), axis=1)
+        tile_l1, tile_sign_p, tile_qu = _l1_sums(p, q, u, ok)
+        l1 += tile_l1
+        sign_p += tile_sign_p
+        qu += tile_qu
     plane = n_split * S
     out = split * S + rows
     tl.store(sums_ptr + out, l1, mask=row_ok)
@@ -283,9 +290,10 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
                              R, cap, HAS_MARKOV, HAS_L1 or HAS_SOFT or SUMS, SOFTCAP, BLOCK_M, BLOCK_V, BLOCK_D,
                              PRECISION)  # fmt: skip
         if SUMS:
-            l1 += tl.sum(tl.abs(p - q), axis=1)
-            sign_p_sum += tl.sum(_sign(p - q) * p, axis=1)
-            qu += tl.sum(tl.where(ok, q * u, 0.0), axis=1)
+            tile_l1, tile_sign_p, tile_qu = _l1_sums(p, q, u, ok)
+            l1 += tile_l1
+            sign_p_sum += tile_sign_p
+            qu += tile_qu
         # d CE/du = p - onehot;  d L1/du_v = p_v (sign_v - sum_w sign_w p_w);  d SCE/du = p - q.
         if HAS_L1:
             g = ((_sign(p - q) - sign_p) * w_l1 + w_ce) * p
