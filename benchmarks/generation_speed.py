@@ -70,6 +70,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--static-target", action="store_true",
+                        help="also time target.generate(cache_implementation='static') (compiled by generate where it can)")
     parser.add_argument("--compare-draft-graphs", action="store_true",
                         help="also time each draft with dspark_draft_graphs=False (the eager draft path)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
@@ -200,6 +202,13 @@ def benchmark(args, setup) -> tuple[list[Row], dict]:
             base.new_tokens, base.seconds, reference, _ = run_method(*common)
             rows.append(base)
             rows.append(prompt_lookup_row(*common, reference))
+            if args.static_target:
+                # transformers' own fast path: a static cache, whose decoding step generate() compiles where it can.
+                row = Row("target+static-cache", batch_size, temperature)
+                row.new_tokens, row.seconds, outputs, _ = run_method(*common, None, {"cache_implementation": "static"})
+                if temperature == 0:
+                    greedy_agreement(row, outputs, reference, eos_ids)
+                rows.append(row)
             for name, draft in drafts.items():
                 variants = [(name, {})]
                 if args.compare_draft_graphs:

@@ -25,6 +25,6 @@ hf-dspark eval --target "$TARGET" --draft dspark="$OUT/dspark" \
 common=(--target "$TARGET" --draft "dspark=$OUT/dspark" --prompts "$DATA/mt-bench.jsonl" --dtype bfloat16
         --temperatures 0 1 --compare-draft-graphs)
 python3 "$HERE/generation_speed.py" "${common[@]}" --num-prompts 4 --max-new-tokens 128 --batch-sizes 1 \
-  --json "$OUT/speed_b1.json"
+  --static-target --json "$OUT/speed_b1.json"
 python3 "$HERE/generation_speed.py" "${common[@]}" --num-prompts 64 --max-new-tokens 128 --batch-sizes 16 64 \
   --json "$OUT/speed_b16_64.json"

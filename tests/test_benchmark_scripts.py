@@ -25,13 +25,14 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     out = tmp_path / "speed.json"
     profile = tmp_path / "profile.txt"
     argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "4", "--num-prompts", "4",
-            "--json", str(out), "--profile", str(profile), "--profile-temperature", "1"]
+            "--json", str(out), "--profile", str(profile), "--profile-temperature", "1", "--static-target"]
     assert generation_speed.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("generation_speed.py --smoke")
     rows = result["rows"]
     methods = {r["method"] for r in rows}
-    assert {"target", "prompt_lookup", "dspark", "dspark+threshold", "dspark+prefix", "dflash", "eagle3"} <= methods
+    assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark+threshold", "dspark+prefix", "dflash",
+            "eagle3"} <= methods
     for row in rows:
         if row["note"].startswith("skipped"):
             continue
