@@ -68,9 +68,9 @@ def load_models() -> None:
     services: Draft.from_pretrained of foreign layouts (deprecated) and draft.push_to_hub live in the hub stage,
     which sits above the models and is bound here rather than imported upward."""
     from . import models  # noqa: F401
-    from .models.modeling_draft import bind_hub_services
+    from .models.modeling_draft import bind_services
 
-    bind_hub_services(
+    bind_services(
         foreign_format=_hub_function("foreign_format"),
         load_foreign_draft=_hub_function("load_foreign_draft"),
         push_draft=_hub_function("push_draft"),

@@ -116,12 +116,12 @@ class StaticDraftRunner:
             self._run_extend()
 
 
-def graphs_supported(draft, position_free: bool, sliding_target: bool) -> str | None:
+def graphs_supported(position_free: bool, sliding_target: bool) -> str | None:
     """Why the static path cannot serve this call (None when it can)."""
     if not position_free:
         return "a logits processor reads the sequence (the draft would need per-round inputs)"
     if sliding_target:
-        return "the target has sliding-window layers (decoded row by row)"
+        return "a sliding-window target is decoded row by row"
     return None
 
 

@@ -300,19 +300,13 @@ def speculative_generate(
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
 
-    decoder = _Decoder(model, draft, logits_processor, stopping_criteria, generation_config, config, streamer)
     if any(getattr(cache, "is_linear", ()) or ()):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, which cannot be rolled back")
     sliding = any(getattr(cache, "is_sliding", ()) or ())
     row_by_row = batch > 1 and sliding
-    if sliding:
-        decoder.mask_4d = None  # one 4D mask would override the sliding layers' own windows
-        if config.draft_graphs is True:
-            raise ValueError(
-                "dspark_draft_graphs=True cannot be used with a sliding-window target (decoded row by row); "
-                "use dspark_draft_graphs='auto'"
-            )
-        decoder.static_draft = decoder.capture_graphs = False
+    decoder = _Decoder(
+        model, draft, logits_processor, stopping_criteria, generation_config, config, streamer, sliding=sliding
+    )
     try:
         if row_by_row:
             for row in range(batch):
@@ -356,7 +350,8 @@ class _FullBatchProcessors(logits_process.LogitsProcessorList):
 class _Decoder:
     """State of one generate() call: the output buffer and per-row lengths shared by every run()."""
 
-    def __init__(self, model, draft, logits_processor, stopping_criteria, generation_config, config, streamer):
+    def __init__(self, model, draft, logits_processor, stopping_criteria, generation_config, config, streamer,
+                 sliding: bool = False):
         self.model = model
         self.draft = draft
         self.config = config
@@ -384,7 +379,7 @@ class _Decoder:
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.sps_table = None
         # The draft's per-round work on static shapes, captured as CUDA graphs (draft_graphs.py).
-        why_not = graphs_supported(draft, self.position_free, sliding_target=False)
+        why_not = graphs_supported(self.position_free, sliding_target=sliding)
         if config.draft_graphs is True and why_not:
             raise ValueError(f"dspark_draft_graphs=True cannot be used here: {why_not}; use dspark_draft_graphs='auto'")
         on_cuda = next(model.parameters()).device.type == "cuda"
@@ -392,7 +387,8 @@ class _Decoder:
         self.capture_graphs = self.static_draft and on_cuda
         # A ready 4D verification mask where the attention implementation takes one (see _verify_mask).
         impl = getattr(model.config, "_attn_implementation", None)
-        self.mask_4d = {"sdpa": "bool", "eager": "additive"}.get(impl)
+        # (Not with sliding-window layers: one 4D mask would override their own windows.)
+        self.mask_4d = None if sliding else {"sdpa": "bool", "eager": "additive"}.get(impl)
         self.mask_dtype = next(model.parameters()).dtype
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
@@ -687,15 +683,15 @@ class _Decoder:
         committed = slot[:, :keep] <= accepted[:, None]
         mask = torch.cat([mask, committed.long()], dim=1)
         real = real + accepted + 1
-        if continuing and runner is not None:
-            runner.extend(local_t, hooks.features, slot <= accepted[:, None], new_tokens)
+        if continuing:  # context K/V of the committed positions
+            valid = slot <= accepted[:, None]
+            if runner is not None:
+                runner.extend(local_t, hooks.features, valid, new_tokens)
+            else:
+                draft.extend_context(
+                    dcache, hooks.features, valid=valid, next_token_ids=new_tokens, max_committed=max(accepted_h) + 1
+                )
             self.stats.draft_time += time.perf_counter() - t2
-        elif continuing:
-            draft.extend_context(
-                dcache, hooks.features, valid=slot <= accepted[:, None], next_token_ids=new_tokens,
-                max_committed=max(accepted_h) + 1,
-            )  # fmt: skip
-            self.stats.draft_time += time.perf_counter() - t2  # context K/V of the committed positions
         return counts, finished, mask, real
 
     def _verify_mask(self, mask: torch.Tensor, window_valid: torch.Tensor) -> torch.Tensor:

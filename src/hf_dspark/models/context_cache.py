@@ -75,7 +75,7 @@ class DraftContextCache:
         (left-packed: entries past a row's count are written too, beyond its new length, where nothing reads them)."""
         width = key.shape[2]
         self._grow(self.bound + width)
-        positions = self.lengths[:, None] + torch.arange(width, device=self.device)
+        positions, _ = self.slots(counts, width)
         rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(positions)
         self.keys[layer][rows, :, positions] = key.transpose(1, 2).to(self.keys[layer].dtype)
         self.values[layer][rows, :, positions] = value.transpose(1, 2).to(self.values[layer].dtype)

@@ -38,25 +38,25 @@ DEFAULT_NUM_TARGET_FEATURES = 5
 
 # Functions of higher layers the model methods offer: foreign-checkpoint loading and card-writing push (hub), and
 # routing generate(assistant_model=draft) once a draft exists (generation). Those packages sit above this one, so
-# the package root binds them here (`bind_hub_services`) instead of this module importing upward
+# the package root binds them here (`bind_services`) instead of this module importing upward
 # (docs/ARCHITECTURE.md).
-_hub_services: dict[str, Callable] = {}
+_services: dict[str, Callable] = {}
 
 
-def bind_hub_services(
+def bind_services(
     *,
     foreign_format: Callable,
     load_foreign_draft: Callable,
     push_draft: Callable,
     install_generation: Callable | None = None,
 ) -> None:
-    _hub_services.update(foreign_format=foreign_format, load_foreign_draft=load_foreign_draft, push_draft=push_draft)
+    _services.update(foreign_format=foreign_format, load_foreign_draft=load_foreign_draft, push_draft=push_draft)
     if install_generation is not None:
-        _hub_services["install_generation"] = install_generation
+        _services["install_generation"] = install_generation
 
 
-def _hub_service(name: str) -> Callable:
-    service = _hub_services.get(name)
+def _service(name: str) -> Callable:
+    service = _services.get(name)
     if service is None:
         raise RuntimeError(f"{name} comes from hf_dspark.hub, which `import hf_dspark` binds: import hf_dspark first")
     return service
@@ -109,7 +109,7 @@ class DraftPreTrainedModel(PreTrainedModel):
         super().post_init()
         self.freeze_target_io()
         # A draft exists, so generate(assistant_model=draft) may follow: route it (idempotent; bound by the root).
-        install = _hub_services.get("install_generation")
+        install = _services.get("install_generation")
         if install is not None:
             install()
 
@@ -133,7 +133,7 @@ class DraftPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        foreign_format = _hub_services.get("foreign_format")
+        foreign_format = _services.get("foreign_format")
         fmt = None if args or foreign_format is None else foreign_format(pretrained_model_name_or_path, **kwargs)
         if fmt is not None:
             warnings.warn(
@@ -143,14 +143,14 @@ class DraftPreTrainedModel(PreTrainedModel):
                 FutureWarning,
                 stacklevel=2,
             )
-            return _hub_service("load_foreign_draft")(pretrained_model_name_or_path, expected_class=cls, **kwargs)
+            return _service("load_foreign_draft")(pretrained_model_name_or_path, expected_class=cls, **kwargs)
         model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model.freeze_target_io()  # loading replaces parameters, which resets requires_grad
         return model
 
     def push_to_hub(self, repo_id: str, **kwargs):
         """Publish weights, config, model card and the remote-code shim (see `hf_dspark.hub.push_draft`)."""
-        return _hub_service("push_draft")(self, repo_id, **kwargs)
+        return _service("push_draft")(self, repo_id, **kwargs)
 
     def freeze_target_io(self) -> None:
         """Embeddings and lm_head belong to the target: never trained."""
