@@ -131,6 +131,34 @@ def test_chunk_size_does_not_change_the_result():
         torch.testing.assert_close(grad, results[0][2])
 
 
+@pytest.mark.parametrize("kept", ["some", "all", "none"])
+def test_row_mask_skips_zero_weight_rows_exactly(kept):
+    """Masked-out rows never reach the vocabulary-wide math: same loss and gradients as weighting them by zero,
+    zero statistics and gradient on those rows."""
+    torch.manual_seed(2)
+    S, d, r, V = 11, 8, 3, 40
+    h = torch.randn(S, d, dtype=torch.float64, requires_grad=True)
+    z = torch.randn(S, r, dtype=torch.float64, requires_grad=True)
+    t, W = torch.randn(S, d, dtype=torch.float64), torch.randn(V, d, dtype=torch.float64)
+    W2 = torch.randn(V, r, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, V, (S,))
+    mask = {"some": torch.rand(S) < 0.5, "all": torch.ones(S, dtype=torch.bool), "none": torch.zeros(S, dtype=torch.bool)}[kept]
+    a, b = (torch.rand(S, dtype=torch.float64) * mask for _ in range(2))
+    kwargs = dict(target_hidden=t, markov_features=z, markov_weight=W2, l1_weight=b, chunk_elements=3 * V)
+    full, full_stats = fused_head_loss(h, W, labels, a, **kwargs)
+    masked, stats = fused_head_loss(h, W, labels, a, row_mask=mask, **kwargs)
+    torch.testing.assert_close(masked, full)
+    for got, want in zip(torch.autograd.grad(masked, [h, z, W2]), torch.autograd.grad(full, [h, z, W2])):
+        torch.testing.assert_close(got, want)
+    for name in ("ce", "l1"):
+        got, want = getattr(stats, name), getattr(full_stats, name)
+        torch.testing.assert_close(got[mask], want[mask])
+        assert not got[~mask].any()
+    assert torch.equal(stats.greedy_match[mask], full_stats.greedy_match[mask])
+    with pytest.raises(ValueError, match="one entry per row"):
+        fused_head_loss(h, W, labels, a, row_mask=mask[:-1], **kwargs)
+
+
 def test_chunk_rows_bound_the_fp32_buffer():
     assert chunk_rows(151_936, 2**26) == 384  # 384 x 151,936 fp32 = 223 MiB per buffer
     assert chunk_rows(151_936, 2**26) * 151_936 <= 2**26

@@ -280,6 +280,7 @@ def fused_head_loss(
     chunk_elements: int | None = None,
     compile: bool = False,
     backend: str = "auto",
+    row_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HeadStats]:
     """sum_i ce_weight_i CE_i + l1_weight_i L1_i + soft_ce_weight_i SCE_i over rows, without [S, V] tensors.
 
@@ -289,8 +290,19 @@ def fused_head_loss(
     Gradients flow to hidden, markov_features and markov_weight; lm_weight must be frozen.
     backend: "auto" | "triton" | "torch" (module docstring). compile applies to "torch" only; chunk_elements
     bounds the [rows, V] buffers of "torch" (and of the Triton kernels' "chunked" gradient mode).
+    row_mask [S] (bool): rows whose weights are all zero may be listed as False; only the True rows reach the
+    vocabulary-wide kernels (one host synchronization to count them) and the others get zero statistics and
+    zero gradient. Training batches are up to ~40% such rows (dummy anchors of short sequences, slots past the
+    end), and the loss is most of a step.
     Returns (scalar fp32 loss, HeadStats with per-row ce / l1 / soft_ce / greedy_match).
     """
+    if row_mask is not None:
+        return _masked_rows_loss(
+            row_mask, hidden, lm_weight, labels, ce_weight, target_hidden=target_hidden,
+            markov_features=markov_features, markov_weight=markov_weight, l1_weight=l1_weight,
+            soft_ce_weight=soft_ce_weight, softcap=softcap, chunk_elements=chunk_elements, compile=compile,
+            backend=backend,
+        )
     if (l1_weight is not None or soft_ce_weight is not None) and target_hidden is None:
         raise ValueError("the L1 and soft cross-entropy terms need target_hidden (the target's final hidden states)")
     if (markov_features is None) != (markov_weight is None):
@@ -332,6 +344,39 @@ def fused_head_loss(
         soft_ce=soft_ce if soft_ce_weight is not None else None,
         greedy_match=match if has_target else None,
     )
+
+
+def _masked_rows_loss(row_mask, hidden, lm_weight, labels, ce_weight, **kwargs) -> tuple[torch.Tensor, HeadStats]:
+    """`fused_head_loss` over the rows where row_mask is True; zero statistics (and gradient) for the others."""
+    if row_mask.shape != labels.shape:
+        raise ValueError(f"row_mask has shape {tuple(row_mask.shape)}, expected one entry per row {tuple(labels.shape)}")
+    keep = row_mask.reshape(-1).nonzero().squeeze(1)  # the one host synchronization
+    rows = labels.shape[0]
+    if keep.numel() == rows:
+        return fused_head_loss(hidden, lm_weight, labels, ce_weight, **kwargs)
+    if keep.numel() == 0:  # nothing to learn from: a zero loss that still reaches every input (DDP)
+        zero = hidden.sum() * 0.0
+        if kwargs.get("markov_features") is not None:
+            zero = zero + kwargs["markov_features"].sum() * 0.0
+        if kwargs.get("markov_weight") is not None and kwargs["markov_weight"].requires_grad:
+            zero = zero + kwargs["markov_weight"].sum() * 0.0
+        has_target = kwargs.get("target_hidden") is not None
+        acc = torch.promote_types(_compute_dtype(hidden, lm_weight), torch.float32)
+        stat = hidden.new_zeros(rows, dtype=acc)
+        return zero.to(acc), HeadStats(
+            ce=stat, l1=stat if has_target else None,
+            soft_ce=stat if kwargs.get("soft_ce_weight") is not None else None,
+            greedy_match=torch.zeros(rows, dtype=torch.bool, device=hidden.device) if has_target else None,
+        )
+    pick = lambda t: None if t is None else t.index_select(0, keep)  # noqa: E731
+    for key in ("target_hidden", "markov_features", "l1_weight", "soft_ce_weight"):
+        kwargs[key] = pick(kwargs.get(key))
+    loss, stats = fused_head_loss(pick(hidden), lm_weight, pick(labels), pick(ce_weight), **kwargs)
+
+    def spread(t):  # [kept] -> [rows], zeros elsewhere
+        return None if t is None else t.new_zeros(rows).index_copy_(0, keep, t)
+
+    return loss, HeadStats(*(spread(getattr(stats, f)) for f in ("ce", "l1", "soft_ce", "greedy_match")))
 
 
 # -- objectives ---------------------------------------------------------------------------------------------------
@@ -427,6 +472,7 @@ def block_draft_loss(
         chunk_elements=chunk_elements,
         compile=compile,
         backend=backend,
+        row_mask=(mask > 0).reshape(-1),
     )
     shape = weight.shape
     terms = {"loss_ce": (weight * stats.ce.view(shape)).sum()}
@@ -472,6 +518,7 @@ def eagle3_loss(
         chunk_elements=chunk_elements,
         compile=compile,
         backend=backend,
+        row_mask=(mask > 0).reshape(-1),
     )
     shape = weight.shape
     terms = {"loss_soft_ce": (weight * stats.soft_ce.view(shape)).sum()}
