@@ -12,9 +12,9 @@ set -euo pipefail
 TARGET=$1 DATA=$2 OUT=$3 MINUTES=${4:-7.5}
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
-# Planned schedule: the number of steps the budget holds at the measured ~0.18 s a step (cosine over them);
-# max_train_minutes stops the run at the budget if the machine is slower.
-STEPS=${STEPS:-$(python3 -c "print(max(500, int(($MINUTES * 60 - 110) / 0.18)))")}
+# The learning-rate schedule is fitted to MINUTES (the trainer measures its step rate and plans the total);
+# STEPS, when given, caps it (STEPS with a large MINUTES repeats a run with a fixed step count).
+STEPS=${STEPS:-1000000}
 python3 "$HERE/../examples/train_dspark.py" --target_model "$TARGET" --train_file "$DATA"/*.jsonl.gz \
   --output_dir "$OUT/dspark" --max_steps "$STEPS" --max_train_minutes "$MINUTES" --save_strategy no \
   --logging_steps 100 --eval_strategy steps --eval_steps 800 --eval_rows 256 --per_device_eval_batch_size 16 \

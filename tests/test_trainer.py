@@ -290,6 +290,81 @@ def test_max_train_minutes_stops_training_and_saves(tmp_path):
         make_args(tmp_path, max_train_minutes=0)
 
 
+def test_fitted_lr_factor_warms_up_then_decays_to_zero_at_the_planned_total():
+    from hf_dspark.training.trainer import fitted_lr_factor
+
+    assert fitted_lr_factor("cosine", 0, 100, 10) == 0.0
+    assert fitted_lr_factor("cosine", 5, 100, 10) == 0.5
+    assert fitted_lr_factor("cosine", 10, 100, 10) == pytest.approx(1.0)
+    assert fitted_lr_factor("cosine", 55, 100, 10) == pytest.approx(0.5)
+    assert fitted_lr_factor("cosine", 100, 100, 10) == pytest.approx(0.0)
+    assert fitted_lr_factor("cosine", 140, 100, 10) == pytest.approx(0.0)  # past the plan: stays at 0
+    assert fitted_lr_factor("linear", 55, 100, 10) == pytest.approx(0.5)
+    assert fitted_lr_factor("constant_with_warmup", 90, 100, 10) == 1.0
+
+
+def test_time_budget_fits_the_schedule_so_it_ends_annealed(tmp_path):
+    """A budget with a far larger max_steps: the planned schedule, not max_steps, sets the decay, so the run ends
+    with its learning rate near zero instead of being cut at the peak."""
+    target = make_tiny_target("llama")
+    args = make_args(tmp_path, max_steps=100_000, max_train_minutes=0.05, warmup_steps=0.1)
+    trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "learning_rate" in h]
+    planned = [h["planned_steps"] for h in logs if "planned_steps" in h]
+    assert planned, "no step logged the planned schedule"
+    assert trainer.state.global_step < 100_000
+    assert logs[-1]["learning_rate"] < 0.2 * args.learning_rate, logs[-1]
+    assert max(h["learning_rate"] for h in logs) > 0.5 * args.learning_rate  # it did reach the peak
+    summary = trainer.state.log_history[-1]
+    assert summary["train_steps_per_second"] == pytest.approx(trainer.state.global_step / summary["train_runtime"], rel=0.01)
+
+
+def test_the_plan_uses_typical_step_times_not_compilation_pauses():
+    """A 10-minute budget whose first step compiles for 60 s and whose 9th step recompiles for 10 s: the first plan
+    already holds the steps the remaining time allows at the typical 0.15 s, not the ~1/3 a mean rate would give."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+
+    from hf_dspark.training.trainer import TrainingDeadline
+
+    now = [0.0]
+    deadline = TrainingDeadline(10.0, fit_schedule=True, clock=lambda: now[0])
+    state, control = TrainerState(), TrainerControl()
+    state.max_steps = 10**6
+    args = SimpleNamespace(save_strategy="no", device=torch.device("cpu"))
+    deadline.on_train_begin(args, state, control)
+    for step in range(1, 31):
+        now[0] += 60.0 if step == 1 else 10.0 if step == 9 else 0.15
+        state.global_step = step
+        deadline.on_step_end(args, state, control)
+    expected = 30 + (600 - now[0]) / 0.15
+    assert deadline.planned_steps == pytest.approx(expected, rel=0.01)
+    assert not control.should_training_stop
+
+
+def test_time_budget_warns_when_max_steps_caps_the_plan(tmp_path, caplog):
+    target = make_tiny_target("llama")
+    args = make_args(tmp_path, max_steps=25, max_train_minutes=5.0)
+    trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.state.global_step == 25
+    assert "raise --max_steps" in caplog.text
+    last = [h for h in trainer.state.log_history if "learning_rate" in h][-1]
+    assert last["learning_rate"] < 0.05 * args.learning_rate  # the capped plan still decays to its end
+
+
+def test_time_budget_refuses_a_schedule_it_cannot_fit(tmp_path):
+    target = make_tiny_target("llama")
+    args = make_args(tmp_path, max_train_minutes=1.0, lr_scheduler_type="polynomial")
+    trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+    trainer.create_optimizer()
+    with pytest.raises(ValueError, match="fit_schedule_to_budget false"):
+        trainer.create_scheduler(10)
+
+
 def test_defaults_are_the_tested_recipe():
     """A user who passes only the required arguments trains with the recipe benchmarks/README.md measured."""
     from transformers import HfArgumentParser

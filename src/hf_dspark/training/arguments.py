@@ -82,8 +82,17 @@ class DraftTrainingArguments(TrainingArguments):
     max_train_minutes: float | None = field(
         default=None,
         metadata={
-            "help": "Stop training after this many minutes (then save and evaluate as at the last step); the "
-            "learning-rate schedule still spans max_steps, so set max_steps to what the budget allows."
+            "help": "Stop training after this many minutes (then save and evaluate as at the last step). The "
+            "learning-rate schedule is fitted to the budget (see fit_schedule_to_budget); max_steps or "
+            "num_train_epochs still cap the run."
+        },
+    )
+    fit_schedule_to_budget: bool = field(
+        default=True,
+        metadata={
+            "help": "With max_train_minutes: measure the step rate during the run and plan the schedule's total "
+            "steps (warm-up and decay included) so it ends at the deadline. Off: the schedule spans max_steps and "
+            "the deadline may cut it mid-way."
         },
     )
     # Rows carry only what the collator reads; keep dataset columns as they are.

@@ -20,8 +20,11 @@ shapes.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import math
+import statistics
 import time
 from collections import defaultdict
 from typing import Any
@@ -151,11 +154,16 @@ class DraftTrainer(Trainer):
         )
         # The objective normalizes itself; Trainer only divides by the gradient-accumulation steps.
         self.model_accepts_loss_kwargs = False
+        self.deadline = None
         if getattr(self.args, "max_train_minutes", None):
-            deadline = TrainingDeadline(self.args.max_train_minutes, show_progress=not self.args.disable_tqdm)
-            if deadline.show_progress:
+            self.deadline = TrainingDeadline(
+                self.args.max_train_minutes,
+                show_progress=not self.args.disable_tqdm,
+                fit_schedule=getattr(self.args, "fit_schedule_to_budget", True),
+            )
+            if self.deadline.show_progress:
                 self.remove_callback(ProgressCallback)  # a step bar would show max_steps and its ETA
-            self.add_callback(deadline)
+            self.add_callback(self.deadline)
         self.target_model = None
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
@@ -170,6 +178,27 @@ class DraftTrainer(Trainer):
             resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
         )
         return super().train(resume, *args, **kwargs)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """Trainer's scheduler, or under a time budget with fit_schedule_to_budget the same schedule over the
+        number of steps the budget holds (planned by the deadline during the run; see `TrainingDeadline`)."""
+        if self.lr_scheduler is None and self.deadline is not None and self.deadline.fit_schedule:
+            kind = str(getattr(self.args.lr_scheduler_type, "value", self.args.lr_scheduler_type))
+            if kind not in FITTED_SCHEDULES:
+                raise ValueError(
+                    f"a schedule fitted to max_train_minutes supports lr_scheduler_type {', '.join(FITTED_SCHEDULES)}, "
+                    f"got {kind!r}: use one of them, or --fit_schedule_to_budget false with --max_steps"
+                )
+            deadline, args = self.deadline, self.args
+
+            def factor(step: int) -> float:
+                total = deadline.schedule_steps(num_training_steps)
+                return fitted_lr_factor(kind, step, total, args.get_warmup_steps(total))
+
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
 
     # -- data order ---------------------------------------------------------------------------------------------
 
@@ -307,6 +336,14 @@ class DraftTrainer(Trainer):
             prefix = "eval_" if mode == "eval" else ""
             # In place: evaluate() returns this very dict.
             logs.update({prefix + k: v for k, v in self._summarize(mode).items()})
+        if mode == "train" and self.deadline is not None and self.deadline.planned_steps is not None:
+            logs["planned_steps"] = self.deadline.planned_steps
+        if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
+            # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
+            steps = self.state.global_step
+            logs["train_steps_per_second"] = round(steps / logs["train_runtime"], 3)
+            logs["train_samples_per_second"] = round(steps * self.args.train_batch_size * self.args.gradient_accumulation_steps
+                                                     * self.args.world_size / logs["train_runtime"], 3)
         super().log(logs, start_time)
 
 
@@ -343,23 +380,63 @@ def _row_lengths(dataset) -> list[int] | None:
     return None
 
 
+FITTED_SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
+
+
+def fitted_lr_factor(kind: str, step: int, total: int, warmup: int) -> float:
+    """Learning-rate multiplier at `step` of a `total`-step schedule: linear warm-up, then `kind`."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if kind.startswith("constant"):
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+
+
 class TrainingDeadline(TrainerCallback):
     """Ends training once `minutes` of wall time have passed since train() began (checked at step ends, so the
     last step completes); the final save and evaluation then run as after the last planned step. Every process
     reads the main process's decision, so a distributed run stops at the same step everywhere.
 
+    With `fit_schedule`, it also plans the learning-rate schedule's length: after step `MARK_STEP` (the first
+    steps compile) it times every step and, every `PLAN_EVERY` steps, sets the total to the steps done plus the
+    steps the remaining time holds (capped by the run's max_steps); training ends when the plan is done. The step
+    time is the median of the recent steps, so recompilations and evaluation pauses early on do not shrink the
+    first plans (a mean-rate plan of ~1,000 steps for a ~4,200-step run gave a 40-step warm-up, a jump to the
+    peak rate and a diverging loss); once `OVERHEAD_AFTER` steps are timed, the run's average share of slower
+    steps (evaluations) is added back. Without a fitted schedule, a 3,090-step cosine stopped by a 7.5-minute
+    budget at step 1,898 still had 40% of its peak rate. A planned run depends on the machine's speed: it logs
+    `planned_steps`, and `--max_steps` with that number (no budget) gives a fixed schedule of about that shape.
+
     With `show_progress`, the main process shows the budget in seconds (with the step, loss and training τ) in
     place of the Trainer's step bar: a time-budgeted run's step count is not known in advance."""
 
-    def __init__(self, minutes: float, show_progress: bool = False):
+    MARK_STEP = 5
+    PLAN_EVERY = 10
+    OVERHEAD_AFTER = 200
+
+    def __init__(self, minutes: float, show_progress: bool = False, fit_schedule: bool = False, clock=time.monotonic):
+        self.clock = clock
         self.seconds = 60.0 * minutes
         self.show_progress = show_progress
+        self.fit_schedule = fit_schedule
+        self.planned_steps: int | None = None
         self.start = None
+        self.mark = None  # (step, seconds) where the rate measurement begins
+        self.durations: collections.deque = collections.deque(maxlen=self.OVERHEAD_AFTER)  # recent step times
+        self._last_end = None
         self.bar = None
         self.last_log: dict = {}
+        self._capped_warned = False
+
+    def schedule_steps(self, fallback: int) -> int:
+        """The schedule's total: the plan once made, before that the run's own max_steps."""
+        return self.planned_steps or fallback
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.monotonic()
+        self.start = self.clock()
+        self.mark, self.planned_steps, self._last_end = None, None, None
+        self.durations.clear()
         if self.show_progress and state.is_local_process_zero:
             from tqdm.auto import tqdm
 
@@ -369,26 +446,61 @@ class TrainingDeadline(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.last_log.update(logs or {})
 
+    def _plan(self, step: int, elapsed: float, cap: int) -> int | None:
+        """The schedule's total from the steps timed since the mark (None until there are enough)."""
+        if self.mark is None or len(self.durations) < self.PLAN_EVERY:
+            return self.planned_steps
+        typical = statistics.median(self.durations)
+        timed = step - self.mark[0]
+        if timed >= self.OVERHEAD_AFTER and typical > 0:  # evaluations and other pauses, as a share of the run
+            typical *= max(1.0, (elapsed - self.mark[1]) / timed / typical)
+        total = step + int(max(0.0, self.seconds - elapsed) / max(typical, 1e-9))
+        if cap > 0 and total > cap:
+            if not self._capped_warned:
+                logger.warning(
+                    "the %g-minute budget holds about %d steps, but max_steps / num_train_epochs cap the run at %d: "
+                    "raise --max_steps (or --num_train_epochs) to use the whole budget", self.seconds / 60, total, cap
+                )
+                self._capped_warned = True
+            total = cap
+        return max(step, total)
+
     def on_step_end(self, args, state, control, **kwargs):
-        elapsed = time.monotonic() - self.start if self.start is not None else 0.0
+        now = self.clock()
+        elapsed = now - self.start if self.start is not None else 0.0
+        step = state.global_step
+        if self.mark is not None and self._last_end is not None:
+            self.durations.append(now - self._last_end)
+        self._last_end = now
         if self.bar is not None:
             self.bar.n = min(elapsed, self.seconds)
-            postfix = f"step {state.global_step}"
+            postfix = f"step {step}"
             if "loss" in self.last_log:
                 postfix += f", loss {self.last_log['loss']:.3f}"
             if "tau_greedy" in self.last_log:
                 postfix += f", train tau {self.last_log['tau_greedy']:.2f}"
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.refresh()
+        if self.fit_schedule and step == self.MARK_STEP:
+            self.mark = (step, elapsed)
         over = self.start is not None and elapsed >= self.seconds
+        decide = step % self.PLAN_EVERY == 0
+        plan = self._plan(step, elapsed, state.max_steps) if self.fit_schedule and decide else self.planned_steps
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if state.global_step % 10:
-                return control  # agree every 10 steps: a collective per step would cost a host sync each
-            flag = torch.tensor([float(over)], device=args.device)
-            torch.distributed.broadcast(flag, src=0)
-            over = bool(flag.item())
-        if over:
-            logger.info("max_train_minutes=%g reached at step %d: stopping", self.seconds / 60, state.global_step)
+            if not decide:
+                return control  # agree every PLAN_EVERY steps: a collective per step would cost a host sync each
+            # Rank 0's clock decides for all: the same stop and the same schedule (learning rate) on every rank.
+            flags = torch.tensor([float(over), float(plan or 0)], device=args.device)
+            torch.distributed.broadcast(flags, src=0)
+            over, plan = bool(flags[0].item()), int(flags[1].item()) or None
+        if plan != self.planned_steps and plan is not None:
+            if self.planned_steps is None:
+                logger.info("max_train_minutes=%g: the schedule is planned at %d steps", self.seconds / 60, plan)
+            self.planned_steps = plan
+        done = self.planned_steps is not None and step >= self.planned_steps
+        if over or done:
+            what = "the planned schedule is complete" if done and not over else "reached"
+            logger.info("max_train_minutes=%g: %s at step %d: stopping", self.seconds / 60, what, step)
             control.should_training_stop = True
             # A resumable checkpoint at the stop when the run saves checkpoints at all (the model itself is saved
             # by whoever called train(), as after the last planned step).
