@@ -5,6 +5,9 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   prompt_lookup transformers' prompt lookup decoding (prompt_lookup_num_tokens; transformers runs it at batch 1 only)
   <draft>       each draft, whole blocks verified
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
+  target+static-cache / <draft>+static-cache   with --static-target: transformers' static-cache generate() of the
+                target (compiled by generate() on CUDA), and each draft over hf_dspark's static verification cache
+                (its verify forward replayed as a CUDA graph)
   hf_dflash     transformers' built-in DFlash candidate generator (speculation_type="dflash"), only with
                 --hf-dflash-draft (a transformers-format DFlash checkpoint; hf_dspark DFlash drafts use
                 DeepSpec's slot convention and cannot run there)
@@ -71,7 +74,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--static-target", action="store_true",
-                        help="also time target.generate(cache_implementation='static') (compiled by generate where it can)")
+                        help="also time target.generate(cache_implementation='static') (compiled by generate where it "
+                        "can) and each draft with cache_implementation='static' (the verify forward as a CUDA graph)")
     parser.add_argument("--compare-draft-graphs", action="store_true",
                         help="also time each draft with dspark_draft_graphs=False (the eager draft path)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
@@ -189,28 +193,30 @@ def special_ids(target, tokenizer) -> tuple[int, list[int]]:
     return pad_id, eos_ids
 
 
-def benchmark(args, setup) -> tuple[list[Row], dict]:
+def benchmark(args, setup, progress=None) -> tuple[list[Row], dict]:
+    """Every row; `progress(rows)` after each one (partial results survive an interrupted run)."""
     target, tokenizer, drafts, prompts = setup
     device = next(target.parameters()).device
     pad_id, eos_ids = special_ids(target, tokenizer)
     hf_dflash, hf_dflash_note = load_hf_dflash(args, device, target)
     rows: list[Row] = []
+
+    def add(row: Row) -> None:
+        rows.append(row)
+        if progress is not None:
+            progress(rows)
+
     for temperature in args.temperatures:
         for batch_size in args.batch_sizes:
             base = Row("target", batch_size, temperature)
             common = (target, prompts, batch_size, temperature, args, pad_id, eos_ids)
             base.new_tokens, base.seconds, reference, _ = run_method(*common)
-            rows.append(base)
-            rows.append(prompt_lookup_row(*common, reference))
-            if args.static_target:
-                # transformers' own fast path: a static cache, whose decoding step generate() compiles where it can.
-                row = Row("target+static-cache", batch_size, temperature)
-                row.new_tokens, row.seconds, outputs, _ = run_method(*common, None, {"cache_implementation": "static"})
-                if temperature == 0:
-                    greedy_agreement(row, outputs, reference, eos_ids)
-                rows.append(row)
+            add(base)
+            add(prompt_lookup_row(*common, reference))
             for name, draft in drafts.items():
                 variants = [(name, {})]
+                if args.static_target:  # the verify forward as a CUDA graph over a static cache (target_graphs.py)
+                    variants.append((f"{name}+static-cache", {"cache_implementation": "static"}))
                 if args.compare_draft_graphs:
                     variants.append((f"{name}/no-graphs", {"dspark_draft_graphs": False}))
                 if getattr(draft.config, "enable_confidence_head", False):
@@ -226,12 +232,21 @@ def benchmark(args, setup) -> tuple[list[Row], dict]:
                         row.tau, row.draft_time, row.verify_time = stats.tau, stats.draft_time, stats.verify_time
                         round_costs(row, base, stats, batch_size)
                         row.extra["draft_graphs"] = stats.draft_graphs
+                        row.extra["target_graphs"] = stats.target_graphs
                         row.extra["accept_rate_by_position"] = stats.accept_rate_by_position
                         row.extra["verified_tokens"] = stats.verified_tokens
                     if temperature == 0:
                         greedy_agreement(row, outputs, reference, eos_ids)
-                    rows.append(row)
-            rows.append(hf_dflash_row(*common, hf_dflash, hf_dflash_note))
+                    add(row)
+            if args.static_target:
+                # transformers' own fast path, timed last (its compilation can be slow): a static cache, whose
+                # decoding step generate() compiles where it can.
+                row = Row("target+static-cache", batch_size, temperature)
+                row.new_tokens, row.seconds, outputs, _ = run_method(*common, None, {"cache_implementation": "static"})
+                if temperature == 0:
+                    greedy_agreement(row, outputs, reference, eos_ids)
+                add(row)
+            add(hf_dflash_row(*common, hf_dflash, hf_dflash_note))
     return rows, {"device": device, "dtype": str(next(target.parameters()).dtype)}
 
 
@@ -394,19 +409,28 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     setup = load_setup(args)  # (target, tokenizer, drafts, prompts), shared by the timings and the profile
-    rows, meta = benchmark(args, setup)
-    result = {
-        "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["generation_speed.py", *argv]),
-        "hardware": hardware(meta["device"]),
-        "dtype": meta["dtype"],
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
-        "rows": [
-            {**{k: v for k, v in vars(r).items() if k != "extra"}, **r.extra, "tokens_per_second": r.tokens_per_second}
-            for r in rows
-        ],
-    }
-    with open(args.json, "w") as handle:
-        json.dump(result, handle, indent=2)
+    command = " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["generation_speed.py", *argv])
+    device = next(setup[0].parameters()).device
+
+    def save(rows: list[Row], complete: bool = False) -> None:
+        result = {
+            "command": command,
+            "hardware": hardware(device),
+            "dtype": str(next(setup[0].parameters()).dtype),
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "complete": complete,
+            "rows": [
+                {**{k: v for k, v in vars(r).items() if k != "extra"}, **r.extra, "tokens_per_second": r.tokens_per_second}
+                for r in rows
+            ],
+        }
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=2)
+        if not complete:
+            print(table(rows).splitlines()[-1], flush=True)  # the row just measured
+
+    rows, _ = benchmark(args, setup, progress=save)
+    save(rows, complete=True)
     if args.profile:
         profile_calls(args, setup)
     print(f"results written to {args.json}")

@@ -55,8 +55,26 @@ def test_beam_search_is_rejected(target, draft):
         _generate(target, draft, num_beams=2)
 
 
-def test_a_static_cache_is_rejected(target, draft):
-    with pytest.raises(ValueError, match="dynamic cache"):
+def test_a_quantized_cache_is_rejected(target, draft):
+    with pytest.raises(ValueError, match="use the default dynamic cache, or 'static'"):
+        _generate(target, draft, cache_implementation="offloaded_static")
+
+
+def test_a_static_cache_verifies_on_fixed_shapes_and_returns_no_cache(target, draft):
+    out = _generate(target, draft, cache_implementation="static", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, target.generate(IDS, max_new_tokens=4, do_sample=False))
+    assert getattr(out, "past_key_values", None) is None and getattr(out, "cache", None) is None
+    assert out.speculative_stats.target_graphs is False  # fixed shapes, run eagerly without CUDA
+
+
+def test_a_static_cache_needs_a_4d_mask_and_no_sliding_window():
+    sliding = make_tiny_target("gemma3")
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        _generate(sliding, make_draft("dspark", sliding), cache_implementation="static")
+    target = make_tiny_target("llama")
+    draft = make_draft("dspark", target)
+    target.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         _generate(target, draft, cache_implementation="static")
 
 

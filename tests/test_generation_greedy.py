@@ -16,6 +16,15 @@ def _batch():
     return left_padded(PROMPTS)
 
 
+# Decoding paths: the dynamic one; the static draft (CUDA graphs on GPU, eager here); and the static draft with
+# the static verification cache (cache_implementation="static", target_graphs.py).
+PATHS = {
+    "dynamic": {"dspark_draft_graphs": False},
+    "static": {"dspark_draft_graphs": True},
+    "static-target": {"dspark_draft_graphs": True, "cache_implementation": "static"},
+}
+
+
 def _target(family: str, attention: str):
     """A tiny target with the given attention implementation (the verification mask is built per implementation)."""
     target = make_tiny_target(family)
@@ -24,23 +33,23 @@ def _target(family: str, attention: str):
     return target
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
-def test_greedy_matches_target_generate(family, drafter, attention, static):
-    """Every decoding path: both attention masks (eager additive, sdpa boolean) and both draft paths (dynamic, and
-    the static-shape one that CUDA graphs replay on GPU, run eagerly here)."""
+def test_greedy_matches_target_generate(family, drafter, attention, path):
+    """Every decoding path: both attention masks (eager additive, sdpa boolean) and the dynamic, static-draft and
+    static-target paths (CUDA graphs replay the static ones on GPU; they run eagerly here)."""
     target = _target(family, attention)
     draft = make_draft(drafter, target)
     ids, mask = _batch()
     kw = dict(max_new_tokens=24, do_sample=False)
     expected = target.generate(ids, attention_mask=mask, **kw)
-    out = target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_draft_graphs=static, **kw)
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, **PATHS[path], **kw)
     assert torch.equal(out, expected)
     single = ids[1:2]
     assert torch.equal(
-        target.generate(single, assistant_model=draft, dspark_draft_graphs=static, **kw),
+        target.generate(single, assistant_model=draft, **PATHS[path], **kw),
         target.generate(single, **kw),
     )
     stats = draft.last_generation_stats
@@ -57,21 +66,32 @@ def test_sliding_window_target_is_decoded_row_by_row_and_matches():
 
 
 @pytest.mark.parametrize(
-    "family,attention,static",
-    [("llama", "eager", False), ("llama", "sdpa", False), ("llama", "sdpa", True), ("gemma3", "eager", False)],
+    "family,attention,path",
+    [("llama", "eager", "dynamic"), ("llama", "sdpa", "dynamic"), ("llama", "sdpa", "static"),
+     ("llama", "eager", "static-target"), ("llama", "sdpa", "static-target"), ("gemma3", "eager", "dynamic")],
 )
-def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, attention, static):
+def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, attention, path, monkeypatch):
+    """Rows accept different lengths, so the verification cache gets holes; the static one fills up with them and
+    compacts (moves each row's keys to the front) during the call."""
+    from hf_dspark.generation import target_graphs
+    from hf_dspark.generation.target_graphs import StaticTargetRunner
+
+    monkeypatch.setattr(target_graphs, "CAPACITY_STEP", 1)  # capacity exactly as asked: the holes fill it up
+    compactions = []
+    compact = StaticTargetRunner._compact
+    monkeypatch.setattr(StaticTargetRunner, "_compact", lambda self: (compactions.append(1), compact(self)))
     target = _target(family, attention)
     draft = make_draft("dflash", target, block_size=6)
     ids, mask = _batch()
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
     OracleProposer(draft, expected, mask, corrupt=0.2)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, assistant_model=draft,
-                          dspark_draft_graphs=static)  # fmt: skip
+                          **PATHS[path])  # fmt: skip
     assert torch.equal(out, expected)
     stats = draft.last_generation_stats
     assert stats.tau > 2.5  # blocks were mostly accepted, and partly rejected
     assert 0 < stats.accept_rate_by_position[0] < 1
+    assert bool(compactions) == (path == "static-target")
 
 
 def test_eos_inside_an_accepted_block_ends_the_row_there():
@@ -294,3 +314,24 @@ def test_stop_strings_cut_an_accepted_block_on_smollm2(smollm2):
     assert torch.equal(out, expected)
     assert tokenizer.decode(out[0, single.shape[1] :]).endswith("capital")
     assert draft.last_generation_stats.accept_rate_by_position[0] == 1.0  # the block was accepted, then cut
+
+
+def test_static_verification_is_reused_across_calls_without_carrying_state():
+    """The static verification buffers (and on CUDA their graph) serve later calls of the same shape; each call
+    starts from its own prompt only."""
+    from hf_dspark.generation import target_graphs
+
+    target = _target("llama", "sdpa")
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    kw = dict(max_new_tokens=12, do_sample=False)
+    static = dict(assistant_model=draft, cache_implementation="static", **kw)
+    first = target.generate(ids, attention_mask=mask, **static)
+    runner = target_graphs._RUNNERS[target][1]
+    other = torch.tensor([[9, 8, 7, 6, 5, 4], [1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]])
+    assert torch.equal(target.generate(other, **static), target.generate(other, **kw))
+    assert target_graphs._RUNNERS[target][1] is runner  # same shape: reused
+    assert torch.equal(target.generate(ids, attention_mask=mask, **static), first)
+    assert torch.equal(first, target.generate(ids, attention_mask=mask, **kw))
+    target.generate(ids[:1], attention_mask=mask[:1], **static)  # another batch size: new buffers
+    assert target_graphs._RUNNERS[target][1] is not runner

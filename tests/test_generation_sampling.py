@@ -66,33 +66,41 @@ def _draft(name, target):
     return draft
 
 
+# The dynamic path, the static draft (CUDA graphs on GPU, eager here) and the static verification cache.
+PATHS = {
+    "dynamic": {"dspark_draft_graphs": False},
+    "static": {"dspark_draft_graphs": True},
+    "static-target": {"dspark_draft_graphs": True, "cache_implementation": "static"},
+}
+
+
 def test_the_statistic_accepts_plain_target_sampling(target):
     _, _, p_value = chi_square_test(_sample(target, "t0.8-top_p0.95"), _expected("t0.8-top_p0.95"))
     assert p_value > P_MIN
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("setting", LOSSLESS_SETTINGS)
 @pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
-def test_sampling_is_lossless(target, drafter, setting, static):
-    """Both draft paths: the dynamic one and the static-shape one that CUDA graphs replay (eager here)."""
+def test_sampling_is_lossless(target, drafter, setting, path):
+    """Every decoding path (PATHS)."""
     draft = _draft(drafter, target)
-    samples = _sample(target, setting, draft, dspark_draft_graphs=static)
+    samples = _sample(target, setting, draft, **PATHS[path])
     stat, dof, p_value = chi_square_test(samples, _expected(setting))
     assert p_value > P_MIN, (stat, dof)
     stats = draft.last_generation_stats
     assert 0.05 < stats.accept_rate_by_position[0] < 0.95  # both acceptance and rejection paths ran
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("setting", LOSSLESS_SETTINGS)
 @pytest.mark.parametrize("schedule", ["threshold", "prefix"])
-def test_sampling_is_lossless_with_confidence_scheduling(target, schedule, setting, static):
+def test_sampling_is_lossless_with_confidence_scheduling(target, schedule, setting, path):
     draft = _draft("dspark", target)
     # A cost table that makes verification expensive enough to cut blocks: Algorithm 1 admits a mix of lengths.
     table = {ROWS: 1000.0, 2 * ROWS: 700.0, 4 * ROWS: 300.0}
     samples = _sample(target, setting, draft, dspark_schedule=schedule, dspark_threshold=0.5, dspark_sps_table=table,
-                      dspark_draft_graphs=static)  # fmt: skip
+                      **PATHS[path])  # fmt: skip
     stat, dof, p_value = chi_square_test(samples, _expected(setting))
     assert p_value > P_MIN, (stat, dof)
     acc = draft.last_generation_stats.acceptance

@@ -76,6 +76,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from ..sampling import TokenSampler, apply_logits_processors
 from ..target import TargetFeatureHooks
 from .draft_graphs import StaticDraftRunner, graphs_supported
+from .target_graphs import static_target_runner, static_target_unsupported
 from .rejection import verify_block
 from .scheduler import (
     SCHEDULES,
@@ -231,10 +232,10 @@ def _check_generation_config(generation_config, draft, config: SpeculativeConfig
             "output_attentions / output_hidden_states are not supported with a draft assistant; drop them or run "
             "generate() without assistant_model"
         )
-    if generation_config.cache_implementation not in (None, "dynamic", "offloaded"):
+    if generation_config.cache_implementation not in (None, "dynamic", "offloaded", "static"):
         raise ValueError(
             f"cache_implementation={generation_config.cache_implementation!r}: speculative decoding rolls the target "
-            "cache back after every round, which needs a dynamic cache; drop cache_implementation"
+            "cache back after every round; use the default dynamic cache, or 'static' (fixed shapes, CUDA graphs)"
         )
     if getattr(generation_config, "prompt_lookup_num_tokens", None) or getattr(
         generation_config, "assistant_early_exit", None
@@ -274,6 +275,9 @@ def speculative_generate(
     cache = model_kwargs.pop(cache_key, None) if cache_key else None
     if cache is None or not model_kwargs.get("use_cache", True):
         raise ValueError("speculative decoding needs the target's KV cache: call generate() with use_cache=True")
+    static = generation_config.cache_implementation == "static"
+    if static:  # generate() made a StaticCache; the prompt is prefilled into a dynamic one, then copied
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     if not isinstance(cache, DynamicCache):
         raise ValueError(
             f"speculative decoding needs a DynamicCache (got {type(cache).__name__}): static and quantized caches "
@@ -303,9 +307,14 @@ def speculative_generate(
     if any(getattr(cache, "is_linear", ()) or ()):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, which cannot be rolled back")
     sliding = any(getattr(cache, "is_sliding", ()) or ())
+    if static:
+        why_not = static_target_unsupported(model, sliding)
+        if why_not:
+            raise ValueError(f"cache_implementation='static' cannot be used with this target: {why_not}")
     row_by_row = batch > 1 and sliding
     decoder = _Decoder(
-        model, draft, logits_processor, stopping_criteria, generation_config, config, streamer, sliding=sliding
+        model, draft, logits_processor, stopping_criteria, generation_config, config, streamer, sliding=sliding,
+        static_target=static,
     )
     try:
         if row_by_row:
@@ -319,6 +328,8 @@ def speculative_generate(
             streamer.end()
     decoder.stats.total_time = time.perf_counter() - start
     draft.last_generation_stats = decoder.stats
+    if static:  # the verification cache lived inside the call
+        return decoder.output(None, cache_key)
     if batch == 1 and not row_by_row:
         # As after _sample: the cache holds every token but the last one (drop tokens accepted past a stop).
         extra = cache.get_seq_length() - (input_ids.shape[1] + decoder.lengths[0] - 1)
@@ -351,7 +362,7 @@ class _Decoder:
     """State of one generate() call: the output buffer and per-row lengths shared by every run()."""
 
     def __init__(self, model, draft, logits_processor, stopping_criteria, generation_config, config, streamer,
-                 sliding: bool = False):
+                 sliding: bool = False, static_target: bool = False):
         self.model = model
         self.draft = draft
         self.config = config
@@ -390,6 +401,8 @@ class _Decoder:
         # (Not with sliding-window layers: one 4D mask would override their own windows.)
         self.mask_4d = None if sliding else {"sdpa": "bool", "eager": "additive"}.get(impl)
         self.mask_dtype = next(model.parameters()).dtype
+        # The verify forward on fixed shapes (target_graphs.py): cache_implementation="static".
+        self.static_target = static_target
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -555,10 +568,18 @@ class _Decoder:
             following = torch.cat([prompt[:, 1:], first[:, None]], dim=1)  # the token after each position
             draft.extend_context(dcache, features, valid=valid, next_token_ids=following)
             del out
-            runner = None
+            runner = target_runner = None
             if self.static_draft:
                 runner = StaticDraftRunner(draft, dcache, self.sampler, self.num_tokens, capture=self.capture_graphs)
                 self.stats.draft_graphs = runner.captured
+            if self.static_target:
+                target_runner = static_target_runner(
+                    model, self.cache_kwarg, cache, rows=len(row_ids), width=self.num_tokens + 1, capacity=capacity,
+                    mask_kind=self.mask_4d, capture=device.type == "cuda",
+                )
+                target_runner.load(cache, mask, hooks)
+                self.stats.target_graphs = target_runner.captured
+                cache.crop(0)  # the prompt's keys and values now live in the runner's buffers
             local_t = torch.arange(len(row_ids), device=device)  # each running row's slot in this run
             counts, finished, _ = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
             self.stats.prefill_time += time.perf_counter() - t0
@@ -570,13 +591,14 @@ class _Decoder:
                     break
                 if len(keep) < len(row_ids):
                     index = torch.tensor(keep, device=device)
-                    cache.batch_select_indices(index)
+                    if target_runner is None:  # (a static verification keeps every row's slot)
+                        cache.batch_select_indices(index)
                     if runner is None:
                         dcache.select(index)  # (a static run keeps every row's slot)
                     mask, real, rows_t, local_t = mask[index], real[index], rows_t[index], local_t[index]
                     row_ids = [row_ids[i] for i in keep]
                 counts, finished, mask, real = self._round(
-                    cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t
+                    cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t, target_runner
                 )
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
@@ -601,7 +623,8 @@ class _Decoder:
                 self.sps_table = load_or_profile_sps(self.model, batch_size=self.run_rows)
         return prefix_schedule(conf, self.sps_table, max_lengths=caps)
 
-    def _round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner=None, local_t=None):
+    def _round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner=None, local_t=None,
+               target_runner=None):
         model, draft = self.model, self.draft
         device = rows_t.device
         n_rows = len(row_ids)
@@ -640,17 +663,22 @@ class _Decoder:
             cols = self.prompt_length + lengths_t[:, None] + torch.arange(width - 1, device=device)
             self.buffer[rows_t[:, None].expand_as(cols), cols] = drafts
         slot = torch.arange(width, device=device)[None, :]
-        window_valid = slot <= verify_len[:, None]
-        out = model(
-            input_ids=window,
-            attention_mask=self._verify_mask(mask, window_valid),
-            position_ids=real[:, None] + slot,
-            use_cache=True,
-            logits_to_keep=width,
-            **cache_kw,
-        )
-        raw = out.logits[:, -width:].float()
-        del out
+        if target_runner is not None:
+            raw, features = target_runner.verify(local_t, window, real[:, None] + slot)
+            raw = raw.float()
+        else:
+            window_valid = slot <= verify_len[:, None]
+            out = model(
+                input_ids=window,
+                attention_mask=self._verify_mask(mask, window_valid),
+                position_ids=real[:, None] + slot,
+                use_cache=True,
+                logits_to_keep=width,
+                **cache_kw,
+            )
+            raw = out.logits[:, -width:].float()
+            features = hooks.features
+            del out
         scores = self._process(raw, rows_t, lengths)
         result = verify_block(
             scores,
@@ -677,19 +705,21 @@ class _Decoder:
         # Roll the target cache back to the longest committed prefix among continuing rows; others keep holes.
         continuing = [i for i, f in enumerate(finished) if not f]
         keep = max(accepted_h[i] + 1 for i in (continuing or range(n_rows)))
-        cache = cache_kw[self.cache_kwarg]
-        # Always: in transformers 5.17 crop(0) also trims sliding-window layers back to their window.
-        cache.crop(-(width - keep))
         committed = slot[:, :keep] <= accepted[:, None]
-        mask = torch.cat([mask, committed.long()], dim=1)
+        if target_runner is not None:
+            target_runner.commit(local_t, committed, keep)
+        else:
+            # Always: in transformers 5.17 crop(0) also trims sliding-window layers back to their window.
+            cache_kw[self.cache_kwarg].crop(-(width - keep))
+            mask = torch.cat([mask, committed.long()], dim=1)
         real = real + accepted + 1
         if continuing:  # context K/V of the committed positions
             valid = slot <= accepted[:, None]
             if runner is not None:
-                runner.extend(local_t, hooks.features, valid, new_tokens)
+                runner.extend(local_t, features, valid, new_tokens)
             else:
                 draft.extend_context(
-                    dcache, hooks.features, valid=valid, next_token_ids=new_tokens, max_committed=max(accepted_h) + 1
+                    dcache, features, valid=valid, next_token_ids=new_tokens, max_committed=max(accepted_h) + 1
                 )
             self.stats.draft_time += time.perf_counter() - t2
         return counts, finished, mask, real

@@ -28,6 +28,7 @@ class SpeculativeStats:
     verify_time: float = 0.0
     total_time: float = 0.0
     draft_graphs: bool = False  # whether the draft's rounds were replayed as CUDA graphs
+    target_graphs: bool = False  # whether the target's verify forwards were (cache_implementation="static")
 
     @property
     def tau(self) -> float:
@@ -58,6 +59,7 @@ class SpeculativeStats:
         for name in ("prefill_time", "draft_time", "verify_time", "total_time"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.draft_graphs = self.draft_graphs and other.draft_graphs
+        self.target_graphs = self.target_graphs and other.target_graphs
         return self
 
     def to_dict(self) -> dict:
@@ -73,6 +75,7 @@ class SpeculativeStats:
             "verify_time": self.verify_time,
             "total_time": self.total_time,
             "draft_graphs": self.draft_graphs,
+            "target_graphs": self.target_graphs,
         }
         out.update(self.acceptance.to_dict())
         return out
