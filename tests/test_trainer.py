@@ -379,6 +379,11 @@ def test_defaults_are_the_tested_recipe():
     assert args.per_device_train_batch_size == 16 and args.max_length == 1024 and args.pad_to_multiple_of == 256
     assert args.train_sampling_strategy == "group_by_length" and args.loss_backend == "torch"
     assert args.bf16 is False and args.compile_loss is False  # no GPU: full precision, eager loss
+    # The measured recipe's depth: 2 layers for block drafters (a 1-layer default once trained the wrong draft).
+    target = make_tiny_target("llama")
+    assert build_draft(target, args).config.num_hidden_layers == 2
+    args.algorithm = "eagle3"
+    assert build_draft(target, args).config.num_hidden_layers == 1
 
 
 def test_length_grouped_order_is_fixed_by_data_seed_and_epoch():

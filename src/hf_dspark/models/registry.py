@@ -27,7 +27,9 @@ class DrafterSpec:
     so decoding may ask it for more tokens than it was trained to propose (block drafters stop at block_size).
     export_formats: the `hf_dspark.hub.formats` exporters written with this drafter in mind; each may still refuse
     it (sglang holds no block drafter) or one draft's settings, with the reason. A format not listed refuses the
-    drafter outright. block_label: what the card calls the draft-tokens-per-round setting.
+    drafter outright. block_label: what the card calls the draft-tokens-per-round setting. recipe_layers: the
+    draft depth the training recipe uses when none is asked for (the measured recipe; `from_target` keeps the
+    config's own default).
     """
 
     model_type: str
@@ -39,6 +41,7 @@ class DrafterSpec:
     autoregressive: bool = False
     export_formats: tuple[str, ...] = ()
     block_label: str = "block size"
+    recipe_layers: int = 1
 
     # DRAFTERS values were (config class, model class) pairs before the registry grew.
     def __iter__(self):
@@ -78,6 +81,7 @@ DRAFTERS: dict[str, DrafterSpec] = {
             ),
             objective="block",
             export_formats=_KNOWN_TO_ALL_FORMATS,
+            recipe_layers=2,
         ),
         DrafterSpec(
             model_type="dflash",
@@ -90,6 +94,7 @@ DRAFTERS: dict[str, DrafterSpec] = {
             ),
             objective="block",
             export_formats=_KNOWN_TO_ALL_FORMATS,
+            recipe_layers=2,
         ),
         DrafterSpec(
             model_type="eagle3",

@@ -32,7 +32,7 @@ class DraftTrainingArguments(TrainingArguments):
     # -- draft ---------------------------------------------------------------------------------------------------
     algorithm: str = field(default="dspark", metadata={"help": "Drafter to train: dspark, dflash or eagle3."})
     num_hidden_layers: int | None = field(
-        default=None, metadata={"help": "Draft decoder layers (default: the drafter's default; Eagle3 has 1)."}
+        default=None, metadata={"help": "Draft decoder layers (default: the recipe's, 2 for DSpark/DFlash, 1 for Eagle3)."}
     )
     block_size: int | None = field(
         default=None, metadata={"help": "Draft tokens per round: block size (DSpark/DFlash) or TTT length (Eagle3)."}

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_callback import ProgressCallback
 
-from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes
+from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..models.anchors import sample_anchors
 from ..target import target_features
 from .arguments import DraftTrainingArguments
@@ -55,10 +55,13 @@ def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrai
         overrides["num_anchors"] = args.num_anchors
     if getattr(args, "use_qk_norm", None) is not None:
         overrides["use_qk_norm"] = args.use_qk_norm
+    layers = getattr(args, "num_hidden_layers", None)
+    if layers is None:
+        layers = drafter_spec(args.algorithm).recipe_layers
     return model_cls.from_target(
         target,
         target_layer_ids=getattr(args, "target_layer_ids", None),
-        num_hidden_layers=getattr(args, "num_hidden_layers", None),
+        num_hidden_layers=layers,
         block_size=getattr(args, "block_size", None),
         **overrides,
     )
