@@ -5,9 +5,10 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   prompt_lookup transformers' prompt lookup decoding (prompt_lookup_num_tokens; transformers runs it at batch 1 only)
   <draft>       each draft, whole blocks verified
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
-  target+static-cache / <draft>+static-cache   with --static-target: transformers' static-cache generate() of the
-                target (compiled by generate() on CUDA), and each draft over hf_dspark's static verification cache
-                (its verify forward replayed as a CUDA graph)
+  <draft>/static, /dynamic, /eager   with --compare-paths: the static verification path (the verify forward
+                replayed as a CUDA graph; the default on CUDA), the dynamic cache, and no CUDA graphs at all
+  target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
+                generate() on CUDA), the fastest target-alone baseline
   hf_dflash     transformers' built-in DFlash candidate generator (speculation_type="dflash"), only with
                 --hf-dflash-draft (a transformers-format DFlash checkpoint; hf_dspark DFlash drafts use
                 DeepSpec's slot convention and cannot run there)
@@ -75,9 +76,10 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--static-target", action="store_true",
                         help="also time target.generate(cache_implementation='static') (compiled by generate where it "
-                        "can) and each draft with cache_implementation='static' (the verify forward as a CUDA graph)")
-    parser.add_argument("--compare-draft-graphs", action="store_true",
-                        help="also time each draft with dspark_draft_graphs=False (the eager draft path)")
+                        "can)")
+    parser.add_argument("--compare-paths", action="store_true",
+                        help="also time each draft on each decoding path: /static (dspark_target_graphs=True), /dynamic "
+                        "(dspark_target_graphs=False) and /eager (no CUDA graphs at all)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--profile", default=None, metavar="FILE",
@@ -214,11 +216,13 @@ def benchmark(args, setup, progress=None) -> tuple[list[Row], dict]:
             add(base)
             add(prompt_lookup_row(*common, reference))
             for name, draft in drafts.items():
-                variants = [(name, {})]
-                if args.static_target:  # the verify forward as a CUDA graph over a static cache (target_graphs.py)
-                    variants.append((f"{name}+static-cache", {"cache_implementation": "static"}))
-                if args.compare_draft_graphs:
-                    variants.append((f"{name}/no-graphs", {"dspark_draft_graphs": False}))
+                variants = [(name, {})]  # generate()'s defaults: what a user gets
+                if args.compare_paths:
+                    variants += [
+                        (f"{name}/static", {"dspark_target_graphs": True}),
+                        (f"{name}/dynamic", {"dspark_target_graphs": False}),
+                        (f"{name}/eager", {"dspark_target_graphs": False, "dspark_draft_graphs": False}),
+                    ]
                 if getattr(draft.config, "enable_confidence_head", False):
                     sps = {"dspark_sps_table": args.sps_table} if args.sps_table else {}
                     variants += [

@@ -25,8 +25,8 @@ hf-dspark eval --target "$TARGET" --draft dspark="$OUT/dspark" \
   --data gsm8k="$DATA/gsm8k.jsonl" humaneval="$DATA/humaneval.jsonl" mt-bench="$DATA/mt-bench.jsonl" \
   --num_prompts 16 --max_new_tokens 256 --temperature 0 1 --batch_size 16 --output_dir "$OUT/eval" --no_progress
 common=(--target "$TARGET" --draft "dspark=$OUT/dspark" --prompts "$DATA/mt-bench.jsonl" --dtype bfloat16
-        --temperatures 0 1 --compare-draft-graphs)
+        --temperatures 0 1)
 python3 "$HERE/generation_speed.py" "${common[@]}" --num-prompts 4 --max-new-tokens 128 --batch-sizes 1 \
-  --static-target --json "$OUT/speed_b1.json"
+  --static-target --compare-paths --json "$OUT/speed_b1.json"
 python3 "$HERE/generation_speed.py" "${common[@]}" --num-prompts 64 --max-new-tokens 128 --batch-sizes 4 16 64 \
   --static-target --json "$OUT/speed_sweep.json"

@@ -25,14 +25,14 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     out = tmp_path / "speed.json"
     profile = tmp_path / "profile.txt"
     argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "4", "--num-prompts", "4",
-            "--json", str(out), "--profile", str(profile), "--profile-temperature", "1", "--static-target"]
+            "--json", str(out), "--profile", str(profile), "--profile-temperature", "1", "--static-target", "--compare-paths"]
     assert generation_speed.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("generation_speed.py --smoke")
     rows = result["rows"]
     methods = {r["method"] for r in rows}
-    assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark+static-cache", "dspark+threshold",
-            "dspark+prefix", "dflash", "eagle3"} <= methods
+    assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark/static", "dspark/dynamic", "dspark/eager",
+            "dspark+threshold", "dspark+prefix", "dflash", "eagle3"} <= methods
     assert result["complete"] is True
     for row in rows:
         if row["note"].startswith("skipped"):

@@ -67,6 +67,23 @@ def test_a_static_cache_verifies_on_fixed_shapes_and_returns_no_cache(target, dr
     assert out.speculative_stats.target_graphs is False  # fixed shapes, run eagerly without CUDA
 
 
+def test_target_graphs_setting_picks_the_verification_path(target, draft):
+    from hf_dspark.generation import target_graphs
+
+    target_graphs._RUNNERS.pop(target, None)
+    _generate(target, draft)  # "auto" on CPU: the dynamic cache
+    assert target not in target_graphs._RUNNERS
+    _generate(target, draft, dspark_target_graphs=True)  # forced: the static path, eagerly
+    assert target in target_graphs._RUNNERS
+    with pytest.raises(ValueError, match="dspark_target_graphs must be True, False or 'auto'"):
+        _generate(target, draft, dspark_target_graphs="always")
+    with pytest.raises(ValueError, match="drop one of them"):
+        _generate(target, draft, cache_implementation="static", dspark_target_graphs=False)
+    sliding = make_tiny_target("gemma3")
+    with pytest.raises(ValueError, match="dspark_target_graphs=True cannot be used.*sliding-window"):
+        _generate(sliding, make_draft("dspark", sliding), dspark_target_graphs=True)
+
+
 def test_a_static_cache_needs_a_4d_mask_and_no_sliding_window():
     sliding = make_tiny_target("gemma3")
     with pytest.raises(ValueError, match="sliding-window layers"):
@@ -191,3 +208,23 @@ def test_a_sliding_window_target_refuses_forced_draft_graphs():
     with pytest.raises(ValueError, match="sliding-window target"):
         target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=draft,
                         dspark_draft_graphs=True)  # fmt: skip
+
+
+def test_auto_target_graphs_on_cuda_only_where_the_static_path_fits():
+    """The "auto" rule, on a stand-in for a CUDA model (no GPU here)."""
+    from types import SimpleNamespace
+
+    from hf_dspark.generation.speculative import SpeculativeConfig, _use_static_target
+
+    def model(attn="sdpa", device="cuda"):
+        weight = SimpleNamespace(device=torch.device(device))
+        return SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn), parameters=lambda: iter([weight]))
+
+    plain = GenerationConfig(return_dict_in_generate=False)
+    use = lambda m, cfg=SpeculativeConfig(), gc=plain, sliding=False: _use_static_target(m, cfg, gc, sliding, False)  # noqa: E731
+    assert use(model()) and use(model("eager"))
+    assert not use(model(device="cpu"))
+    assert not use(model("flex_attention")) and not use(model(), sliding=True)
+    assert not use(model(), SpeculativeConfig(schedule="prefix"))  # schedules keep their verification savings
+    assert not use(model(), gc=GenerationConfig(return_dict_in_generate=True))  # that output returns a cache
+    assert not use(model(), SpeculativeConfig(target_graphs=False))

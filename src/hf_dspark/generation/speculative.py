@@ -51,12 +51,13 @@ already finished (transformers computes throw-away logits there). A row stopped 
 criterion is padded as well (`_sample` keeps sampling such a row when no EOS criterion is configured).
 `num_return_sequences > 1` works when sampling (generate() expands the rows). `output_attentions` /
 `output_hidden_states` are not supported; the returned cache is the target's DynamicCache for batch 1 (every
-token but the last, as after `_sample`) and None otherwise (a batched cache contains holes).
+token but the last, as after `_sample`) and None otherwise (a batched cache contains holes) or on the static
+verification path (`dspark_target_graphs`, `target_graphs.py`).
 
 Bad input raises a ValueError that names the fix: a draft for another vocabulary, target architecture or
 target layers (`check_draft_for_target`; a different `target_name_or_path` with matching facts only warns,
 since paths differ between machines), a draft on another device (move it: we do not move user models behind
-their back), beam search, static/quantized or pre-filled caches, use_cache=False, a confidence schedule
+their back), beam search, quantized or pre-filled caches, use_cache=False, a confidence schedule
 without a confidence head, a block override beyond a block drafter's block size (Eagle3 may go beyond its
 ttt_length: it drafts autoregressively), a streamer with batch > 1. A draft in another dtype is fine: target
 features are cast to the draft's dtype.
@@ -140,6 +141,12 @@ class SpeculativeConfig:
             proposal and context extension on static shapes, replayed as CUDA graphs ("auto": on CUDA when the
             logits processors do not read the sequence and the target has no sliding-window layers; True also
             runs the static path eagerly on CPU; False: the dynamic path). See `draft_graphs.py`.
+        target_graphs (`bool` or "auto", field `dspark_target_graphs`, defaults to "auto"): verify over a
+            fixed-capacity cache with the target's verify forward replayed as a CUDA graph (`target_graphs.py`).
+            "auto": on CUDA for targets with sdpa/eager attention and no sliding-window layers, with whole blocks
+            verified (schedule "none") and no `return_dict_in_generate` (the path returns no cache); True (or
+            generate()'s `cache_implementation="static"`): always, eagerly on CPU, an error where unsupported;
+            False: the dynamic cache.
     """
 
     schedule: str = "none"
@@ -147,6 +154,7 @@ class SpeculativeConfig:
     sps_table: Any = None
     block_size: int | None = None
     draft_graphs: bool | str = "auto"
+    target_graphs: bool | str = "auto"
 
     FIELDS = {
         "dspark_schedule": "schedule",
@@ -154,6 +162,7 @@ class SpeculativeConfig:
         "dspark_sps_table": "sps_table",
         "dspark_block_size": "block_size",
         "dspark_draft_graphs": "draft_graphs",
+        "dspark_target_graphs": "target_graphs",
     }
 
     @classmethod
@@ -180,8 +189,10 @@ class SpeculativeConfig:
             raise ValueError(f"dspark_schedule={self.schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"dspark_threshold must be in [0, 1], got {self.threshold}")
-        if self.draft_graphs not in (True, False, "auto"):
-            raise ValueError(f"dspark_draft_graphs must be True, False or 'auto', got {self.draft_graphs!r}")
+        for name in ("draft_graphs", "target_graphs"):
+            value = getattr(self, name)
+            if value not in (True, False, "auto"):
+                raise ValueError(f"dspark_{name} must be True, False or 'auto', got {value!r}")
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -202,6 +213,20 @@ def check_draft_for_target(target, draft) -> None:
             f"the draft is on {draft_device} but the target is on {target_device}: move it with "
             f"draft.to('{target_device}') before generate()"
         )
+
+
+def _use_static_target(model, config: SpeculativeConfig, generation_config, sliding: bool, forced: bool) -> bool:
+    """Whether this call verifies over the static cache (`SpeculativeConfig.target_graphs`)."""
+    why_not = static_target_unsupported(model, sliding)
+    if forced or config.target_graphs is True:
+        if why_not:
+            setting = "cache_implementation='static'" if forced else "dspark_target_graphs=True"
+            raise ValueError(f"{setting} cannot be used with this target: {why_not}")
+        return True
+    if config.target_graphs is False or why_not:
+        return False
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    return on_cuda and config.schedule == "none" and not generation_config.return_dict_in_generate
 
 
 def _num_draft_tokens(draft, config: SpeculativeConfig) -> int:
@@ -275,8 +300,13 @@ def speculative_generate(
     cache = model_kwargs.pop(cache_key, None) if cache_key else None
     if cache is None or not model_kwargs.get("use_cache", True):
         raise ValueError("speculative decoding needs the target's KV cache: call generate() with use_cache=True")
-    static = generation_config.cache_implementation == "static"
-    if static:  # generate() made a StaticCache; the prompt is prefilled into a dynamic one, then copied
+    asked_static = generation_config.cache_implementation == "static"
+    if asked_static and config.target_graphs is False:
+        raise ValueError(
+            "cache_implementation='static' asks for the static verification path and dspark_target_graphs=False "
+            "forbids it: drop one of them"
+        )
+    if asked_static:  # generate() made a StaticCache; the prompt is prefilled into a dynamic one, then copied
         cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     if not isinstance(cache, DynamicCache):
         raise ValueError(
@@ -307,10 +337,7 @@ def speculative_generate(
     if any(getattr(cache, "is_linear", ()) or ()):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, which cannot be rolled back")
     sliding = any(getattr(cache, "is_sliding", ()) or ())
-    if static:
-        why_not = static_target_unsupported(model, sliding)
-        if why_not:
-            raise ValueError(f"cache_implementation='static' cannot be used with this target: {why_not}")
+    static = _use_static_target(model, config, generation_config, sliding, forced=asked_static)
     row_by_row = batch > 1 and sliding
     decoder = _Decoder(
         model, draft, logits_processor, stopping_criteria, generation_config, config, streamer, sliding=sliding,
