@@ -220,11 +220,9 @@ def test_auto_target_graphs_on_cuda_only_where_the_static_path_fits():
         weight = SimpleNamespace(device=torch.device(device))
         return SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn), parameters=lambda: iter([weight]))
 
-    plain = GenerationConfig(return_dict_in_generate=False)
-    use = lambda m, cfg=SpeculativeConfig(), gc=plain, sliding=False: _use_static_target(m, cfg, gc, sliding, False)  # noqa: E731
+    use = lambda m, cfg=SpeculativeConfig(), sliding=False: _use_static_target(m, cfg, sliding, False)  # noqa: E731
     assert use(model()) and use(model("eager"))
     assert not use(model(device="cpu"))
     assert not use(model("flex_attention")) and not use(model(), sliding=True)
     assert not use(model(), SpeculativeConfig(schedule="prefix"))  # schedules keep their verification savings
-    assert not use(model(), gc=GenerationConfig(return_dict_in_generate=True))  # that output returns a cache
     assert not use(model(), SpeculativeConfig(target_graphs=False))

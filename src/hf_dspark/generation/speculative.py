@@ -144,7 +144,7 @@ class SpeculativeConfig:
         target_graphs (`bool` or "auto", field `dspark_target_graphs`, defaults to "auto"): verify over a
             fixed-capacity cache with the target's verify forward replayed as a CUDA graph (`target_graphs.py`).
             "auto": on CUDA for targets with sdpa/eager attention and no sliding-window layers, with whole blocks
-            verified (schedule "none") and no `return_dict_in_generate` (the path returns no cache); True (or
+            verified (schedule "none"); the path returns no cache in `return_dict_in_generate` outputs. True (or
             generate()'s `cache_implementation="static"`): always, eagerly on CPU, an error where unsupported;
             False: the dynamic cache.
     """
@@ -215,7 +215,7 @@ def check_draft_for_target(target, draft) -> None:
         )
 
 
-def _use_static_target(model, config: SpeculativeConfig, generation_config, sliding: bool, forced: bool) -> bool:
+def _use_static_target(model, config: SpeculativeConfig, sliding: bool, forced: bool) -> bool:
     """Whether this call verifies over the static cache (`SpeculativeConfig.target_graphs`)."""
     why_not = static_target_unsupported(model, sliding)
     if forced or config.target_graphs is True:
@@ -226,7 +226,7 @@ def _use_static_target(model, config: SpeculativeConfig, generation_config, slid
     if config.target_graphs is False or why_not:
         return False
     on_cuda = next(model.parameters()).device.type == "cuda"
-    return on_cuda and config.schedule == "none" and not generation_config.return_dict_in_generate
+    return on_cuda and config.schedule == "none"
 
 
 def _num_draft_tokens(draft, config: SpeculativeConfig) -> int:
@@ -337,7 +337,7 @@ def speculative_generate(
     if any(getattr(cache, "is_linear", ()) or ()):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, which cannot be rolled back")
     sliding = any(getattr(cache, "is_sliding", ()) or ())
-    static = _use_static_target(model, config, generation_config, sliding, forced=asked_static)
+    static = _use_static_target(model, config, sliding, forced=asked_static)
     row_by_row = batch > 1 and sliding
     decoder = _Decoder(
         model, draft, logits_processor, stopping_criteria, generation_config, config, streamer, sliding=sliding,
