@@ -129,6 +129,25 @@ def test_eval_end_to_end(workdir, capsys):
     assert "| dspark |" in markdown and "| eagle3 |" in markdown
 
 
+def test_eval_static_baseline(workdir, capsys):
+    """--static_baseline times the target alone with a static cache too; rows gain the second speedup."""
+    out = workdir / "out-static"
+    code = main([
+        "eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dspark"), "--data",
+        str(workdir / "prompts.jsonl"), "--num_prompts", "2", "--max_new_tokens", "6", "--output_dir", str(out),
+        "--no_progress", "--no_plots", "--static_baseline",
+    ])
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    assert "--static_baseline" in data["command"] and data["settings"]["static_baseline"] is True
+    (baseline,) = data["baselines"]
+    static = baseline["static_cache"]
+    assert static["new_tokens"] == baseline["new_tokens"]  # greedy: the same outputs, so the same lengths
+    (row,) = data["results"]
+    assert row["speedup_vs_static_target"] == pytest.approx(row["tokens_per_s"] / static["tokens_per_s"])
+    assert "target alone, static cache" in (out / "results.md").read_text()
+
+
 def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path, capsys):
     code = main(["eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dflash"), "--data",
                  str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")])

@@ -95,6 +95,22 @@ def results_markdown(results) -> str:
             + ["" for _ in datasets]
             + [""]
         )
+        if any("static_cache" in b for b in results.baselines):
+            table.append(
+                ["target alone, static cache, tokens/s"]
+                + [_fmt(base[(d, temp)]["static_cache"]["tokens_per_s"], 1) if "static_cache" in base.get((d, temp), {})
+                   else "–" for d in datasets]  # fmt: skip
+                + ["" for _ in datasets]
+                + [""]
+            )
+            for drafter in drafters:
+                cells = [lookup.get((drafter, d, temp)) for d in datasets]
+                table.append(
+                    [f"{drafter} vs static target"]
+                    + ["" for _ in datasets]
+                    + [_fmt(c.get("speedup_vs_static_target")) + "x" if c else "–" for c in cells]
+                    + [""]
+                )
         out += _table(header, table)
 
     width = max((len(r["accept_rate_by_position"]) for r in rows), default=0)

@@ -272,6 +272,7 @@ def evaluate_drafts(
     plots: bool = True,
     command: str | None = None,
     target_name: str | None = None,
+    static_baseline: bool = False,
 ) -> EvaluationResults:
     """Speculative decoding of each draft over each prompt file; acceptance, calibration and speed.
 
@@ -279,6 +280,8 @@ def evaluate_drafts(
     `{"turns": [...]}` (first turn used); num_prompts: the first N prompts of every file (None: all);
     temperature: one value or several (0 = greedy), each giving its own rows; top_k=0 / top_p=1.0 mean off;
     generate_kwargs: extra arguments for the draft generate() calls only (e.g. scheduler options).
+    static_baseline: also time the target alone with `cache_implementation="static"` (transformers compiles its
+    decoding step on CUDA: the fastest target-alone baseline); rows then carry `speedup_vs_static_target`.
     Returns `EvaluationResults`; with `output_dir`, also writes results.json, results.md and PNG plots there
     (JSON and markdown are rewritten after every row, so an interrupted run keeps its finished rows).
     """
@@ -360,6 +363,7 @@ def evaluate_drafts(
             "seed": seed,
             "warmup": warmup,
             "generate_kwargs": dict(generate_kwargs or {}),
+            "static_baseline": static_baseline,
             "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
             "device": str(device),
             "drafts": {name: _draft_description(d) for name, d in drafts.items()},
@@ -372,12 +376,19 @@ def evaluate_drafts(
             for data_name, rendered in prompts.items():
                 calls = run("target", None, rendered, gen_config, f"target alone | {data_name} | T={temp:g}")
                 base = _speed(calls)
-                results.baselines.append(
-                    {"dataset": data_name, "temperature": temp, "num_prompts": len(rendered), **base}
-                )
+                baseline = {"dataset": data_name, "temperature": temp, "num_prompts": len(rendered), **base}
+                if static_baseline:
+                    static_config = copy.deepcopy(gen_config)
+                    static_config.cache_implementation = "static"
+                    desc = f"target alone, static cache | {data_name} | T={temp:g}"
+                    baseline["static_cache"] = _speed(run("target-static", None, rendered, static_config, desc))
+                results.baselines.append(baseline)
                 for draft_name, draft in drafts.items():
                     calls = run(draft_name, draft, rendered, gen_config, f"{draft_name} | {data_name} | T={temp:g}")
                     row, curves = _draft_row(draft_name, draft, data_name, temp, calls, base, len(rendered), n_bins)
+                    if static_baseline:
+                        static_speed = baseline["static_cache"]["tokens_per_s"]
+                        row["speedup_vs_static_target"] = row["tokens_per_s"] / static_speed if static_speed else float("nan")
                     results.rows.append(row)
                     if curves is not None:
                         results.reliability[(draft_name, data_name, temp)] = curves
