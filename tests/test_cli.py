@@ -113,3 +113,25 @@ def test_help_and_argument_errors_load_no_torch():
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert out.returncode == code, out.stderr[-2000:]
         assert out.stdout.strip().endswith("no torch"), (argv, out.stdout[-500:])
+
+
+def test_train_help_is_rendered_once_then_printed_without_torch(tmp_path):
+    """`train --help` needs TrainingArguments (torch) to render; later calls print the cached text."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_DSPARK_CACHE": str(tmp_path)}
+    script = (
+        "import atexit, sys\nsys.argv = ['hf-dspark', 'train', '--help']\n"
+        "atexit.register(lambda: print('torch loaded' if 'torch' in sys.modules else 'no torch'))\n"
+        "from hf_dspark.cli import main\nsys.exit(main())\n"
+    )
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+            for _ in range(2)]  # fmt: skip
+    for out in runs:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "usage: hf-dspark train" in out.stdout and "--max_train_minutes" in out.stdout
+    assert runs[0].stdout.strip().endswith("torch loaded") and runs[1].stdout.strip().endswith("no torch")
+    assert runs[0].stdout.replace("torch loaded", "") == runs[1].stdout.replace("no torch", "")
+    assert list((tmp_path / "help").glob("train-*.txt"))

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     debug = args.debug or os.environ.get("HF_DSPARK_DEBUG", "") not in ("", "0")
     try:
         arguments = _arguments(args)  # the dataclass's own checks, still before anything heavy
+        before_models = getattr(args, "before_models", None)  # a subcommand's answer without the models (help)
+        if before_models is not None and before_models(args):
+            raise SystemExit(0)  # as argparse's --help of the other subcommands
         importlib.import_module("hf_dspark").load_models()  # Auto classes + hub services (see hf_dspark/__init__.py)
         return int(args.func(arguments) or 0)
     except USER_ERRORS as err:
