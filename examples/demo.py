@@ -149,18 +149,24 @@ def main():
         for p in held_out
     ]  # fmt: skip
     settings = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    exact = next(target.parameters()).dtype == torch.float32
     target.generate(**encoded[0], max_new_tokens=4, do_sample=False)  # warm-up: one-time costs are not timed
     target.generate(**encoded[0], assistant_model=draft, max_new_tokens=4, do_sample=False)
-    totals = {"target_s": 0.0, "draft_s": 0.0, "tokens": 0}
+    totals = {"target_s": 0.0, "draft_s": 0.0, "tokens": 0, "identical": 0}
     stats = None
     for i, enc in enumerate(encoded):
+        _sync(cuda)
         t0 = time.perf_counter()
         alone = target.generate(**enc, **settings)
+        _sync(cuda)
         t1 = time.perf_counter()
         assisted = target.generate(**enc, assistant_model=draft, **settings)
+        _sync(cuda)
         t2 = time.perf_counter()
-        if not torch.equal(alone, assisted):
+        same = torch.equal(alone, assisted)
+        if exact and not same:  # float32: greedy speculative decoding must reproduce the target exactly
             raise AssertionError("speculative greedy output differs from the target's own greedy output")
+        totals["identical"] += int(same)
         totals["target_s"] += t1 - t0
         totals["draft_s"] += t2 - t1
         totals["tokens"] += alone.shape[1] - enc["input_ids"].shape[1]
@@ -183,8 +189,11 @@ def main():
         "target_tokens_per_s": totals["tokens"] / totals["target_s"],
         "speculative_tokens_per_s": totals["tokens"] / totals["draft_s"],
         "speedup": totals["target_s"] / totals["draft_s"],
-        "greedy_output_identical": True,
+        "greedy_outputs_identical": f"{totals['identical']}/{len(encoded)}",
+        "verification_path": "static (CUDA graph)" if stats.target_graphs else "dynamic cache",
     }
+    if cuda:
+        summary["static_target_tokens_per_s"] = static_target_speed(target, encoded, settings)
     (out / "demo_results.json").write_text(json.dumps(summary, indent=2))
     print("\n| metric | value |\n|---|---|")
     print(f"| tau (tokens per target forward, incl. bonus) | {summary['tau']:.2f} |")
@@ -194,7 +203,16 @@ def main():
     print(f"| target alone, tokens/s | {summary['target_tokens_per_s']:.1f} |")
     print(f"| with the draft, tokens/s | {summary['speculative_tokens_per_s']:.1f} |")
     print(f"| speedup (wall clock, >1 is faster) | {summary['speedup']:.2f}x |")
-    print("| greedy output identical to the target's | yes |\n")
+    if summary.get("static_target_tokens_per_s"):
+        print(f"| target alone with transformers' compiled static cache, tokens/s | "
+              f"{summary['static_target_tokens_per_s']:.1f} |")  # fmt: skip
+    print(f"| greedy outputs identical to the target's | {summary['greedy_outputs_identical']} |\n")
+    if not exact:
+        print(
+            "In bf16 a verification forward over a block rounds differently from one-token decode steps, so a "
+            "near-tied greedy choice can flip and the texts continue differently from there (transformers' own "
+            "compiled and prompt-lookup decoding do the same); in float32 they are identical (the tests check it)."
+        )
     if len(rates) < BLOCK_SIZE:
         print(
             f"Acceptance is listed for {len(rates)} of the block's {BLOCK_SIZE} positions: position k is only tried "
@@ -202,9 +220,11 @@ def main():
         )
     if cuda:
         print(
-            f"CUDA: {minutes:g} minutes of training on {len(rows)} conversations. A speedup needs tau well above "
-            "the cost of a round (one target forward plus the draft); SmolLM2-135M is so small that decoding is "
-            "bound by kernel launches, so the README's GPU tables are the reference for what longer training gives."
+            f"CUDA: {minutes:g} minutes of training on {len(rows)} conversations. SmolLM2-135M is so small that its "
+            "eager decoding is bound by kernel launches; with the draft, generate() verifies through a CUDA graph "
+            f"({summary['verification_path']}), which is most of the speedup over the eager target. Against "
+            "transformers' compiled static-cache decoding (the row above) the draft needs tau well above the cost "
+            "of a round; the README's GPU tables show what longer training gives."
         )
     else:
         print(
@@ -214,6 +234,29 @@ def main():
             "results are the real measurements."
         )
     print(f"results: {out / 'demo_results.json'}; hf_dspark {hf_dspark.__version__}")
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def static_target_speed(target, encoded, settings) -> float | None:
+    """tokens/s of the target alone with cache_implementation="static" (generate() compiles its step on CUDA)."""
+    try:
+        target.generate(**encoded[0], cache_implementation="static", **settings)  # warm-up: compilation
+        tokens, seconds = 0, 0.0
+        for enc in encoded:
+            _sync(True)
+            start = time.perf_counter()
+            out = target.generate(**enc, cache_implementation="static", **settings)
+            _sync(True)
+            seconds += time.perf_counter() - start
+            tokens += out.shape[1] - enc["input_ids"].shape[1]
+        return tokens / seconds
+    except Exception as err:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        print(f"(the compiled static-cache baseline did not run: {type(err).__name__}: {err})")
+        return None
 
 
 if __name__ == "__main__":
