@@ -1,8 +1,13 @@
 """Recipe ablations for a draft: each variant is one short training run with the same data order and wall-clock
-budget, logging held-out τ during training; the runs are spread over the GPUs given, one run per GPU at a time.
+budget (its schedule fitted to the budget), logging held-out τ during training; the runs are spread over the GPUs
+given, `--runs_per_gpu` at a time on each.
 
     python benchmarks/ablations.py --target TARGET_DIR --data 'DATA/*.jsonl.gz' --output_dir ablations \\
-        --minutes 4 --gpus 0 1 [--variants baseline layers_1 qk_norm ...]
+        --minutes 4 --gpus 0 1 [--runs_per_gpu 2] [--variants baseline layers_1 qk_norm ...]
+
+A small target leaves most of a large GPU idle (its steps are launch-bound), so several runs can share one:
+`--runs_per_gpu N` starts N at once per device. They then share its time, so compare variants of one batch of
+runs with each other (same sharing), not with runs made alone.
 
 Every variant is the default recipe (`examples/train_dspark.py` with no flags) plus the flags listed in VARIANTS,
 so one flag changes at a time. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
@@ -50,10 +55,11 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of each run (compilation included)")
     p.add_argument("--max_steps", type=int, default=None,
-                   help="schedule length (default: what the budget holds at 0.18 s a step)")  # fmt: skip
+                   help="a fixed schedule length instead of one fitted to the budget")  # fmt: skip
     p.add_argument("--eval_steps", type=int, default=200, help="held-out τ every N steps")
     p.add_argument("--eval_rows", type=int, default=256)
-    p.add_argument("--gpus", nargs="+", default=["0"], help="CUDA devices; one run per device at a time")
+    p.add_argument("--gpus", nargs="+", default=["0"], help="CUDA devices")
+    p.add_argument("--runs_per_gpu", type=int, default=1, help="concurrent runs per device (they share it)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny runs on CPU (checks the driver, not the recipe)")
     p.add_argument("--seed", type=int, default=0)
@@ -62,9 +68,11 @@ def parse_args(argv=None):
 
 def run_command(args, name: str, flags: list[str]) -> list[str]:
     out = Path(args.output_dir) / name
-    steps = args.max_steps or max(200, int((args.minutes * 60 - 110) / 0.18))
-    cmd = [sys.executable, str(EXAMPLE), "--train_file", *args.data, "--output_dir", str(out),
-           "--max_steps", str(steps), "--max_train_minutes", str(args.minutes), "--save_strategy", "no",
+    # Without --max_steps the schedule is fitted to the budget (a large cap); with it, a fixed schedule.
+    schedule = ["--max_steps", str(args.max_steps), "--fit_schedule_to_budget", "false"] if args.max_steps else [
+        "--max_steps", "1000000"]
+    cmd = [sys.executable, str(EXAMPLE), "--train_file", *args.data, "--output_dir", str(out), *schedule,
+           "--max_train_minutes", str(args.minutes), "--save_strategy", "no",
            "--eval_strategy", "steps", "--eval_steps", str(args.eval_steps), "--eval_rows", str(args.eval_rows),
            "--per_device_eval_batch_size", "16", "--logging_steps", str(args.eval_steps), "--report_to", "none",
            "--disable_tqdm", "True", "--seed", str(args.seed)]  # fmt: skip
@@ -99,7 +107,9 @@ def main(argv=None) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     pending = list(args.variants)
     running: dict[str, tuple[str, subprocess.Popen, float]] = {}
-    free = list(args.gpus if args.device == "cuda" else ["cpu"])
+    if args.runs_per_gpu < 1:
+        raise SystemExit(f"--runs_per_gpu must be >= 1, got {args.runs_per_gpu}")
+    free = list(args.gpus if args.device == "cuda" else ["cpu"]) * args.runs_per_gpu
     results = {}
     while pending or running:
         while pending and free:
@@ -126,6 +136,7 @@ def main(argv=None) -> dict:
         "command": "python " + " ".join(sys.argv),
         "hardware": _hardware(args.device),
         "minutes_per_run": args.minutes,
+        "runs_per_gpu": args.runs_per_gpu,
         "variants": results,
     }
     (root / "ablations.json").write_text(json.dumps(report, indent=2))
