@@ -31,7 +31,7 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     assert result["command"].startswith("generation_speed.py --smoke")
     rows = result["rows"]
     methods = {r["method"] for r in rows}
-    assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark/static", "dspark/dynamic", "dspark/eager",
+    assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark/static", "dspark/dynamic", "dspark/eager", "dspark/fused",
             "dspark+threshold", "dspark+prefix", "dflash", "eagle3"} <= methods
     assert result["complete"] is True
     for row in rows:

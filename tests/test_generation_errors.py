@@ -226,3 +226,19 @@ def test_auto_target_graphs_on_cuda_only_where_the_static_path_fits():
     assert not use(model("flex_attention")) and not use(model(), sliding=True)
     assert not use(model(), SpeculativeConfig(schedule="prefix"))  # schedules keep their verification savings
     assert not use(model(), SpeculativeConfig(target_graphs=False))
+
+
+def test_fused_round_needs_the_static_path_whole_blocks_and_no_per_step_scores(target, draft):
+    with pytest.raises(ValueError, match="dspark_fused_round must be True or False"):
+        _generate(target, draft, dspark_fused_round="auto")
+    with pytest.raises(ValueError, match="static verification path is not in use"):
+        _generate(target, draft, dspark_fused_round=True)  # on CPU "auto" keeps the dynamic cache
+    static = dict(dspark_fused_round=True, dspark_target_graphs=True)
+    with pytest.raises(ValueError, match="whole blocks only"):
+        _generate(target, draft, dspark_schedule="threshold", **static)
+    with pytest.raises(ValueError, match="output_scores / output_logits"):
+        _generate(target, draft, return_dict_in_generate=True, output_scores=True, **static)
+    with pytest.raises(ValueError, match="reads the sequence"):
+        _generate(target, draft, repetition_penalty=1.3, **static)
+    out = _generate(target, draft, return_dict_in_generate=True, **static)
+    assert out.speculative_stats.fused_round and torch.equal(out.sequences, _generate(target, draft))

@@ -22,6 +22,7 @@ PATHS = {
     "dynamic": {"dspark_draft_graphs": False},
     "static": {"dspark_draft_graphs": True},
     "static-target": {"dspark_draft_graphs": True, "cache_implementation": "static"},
+    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True},
 }
 
 
@@ -68,7 +69,8 @@ def test_sliding_window_target_is_decoded_row_by_row_and_matches():
 @pytest.mark.parametrize(
     "family,attention,path",
     [("llama", "eager", "dynamic"), ("llama", "sdpa", "dynamic"), ("llama", "sdpa", "static"),
-     ("llama", "eager", "static-target"), ("llama", "sdpa", "static-target"), ("gemma3", "eager", "dynamic")],
+     ("llama", "eager", "static-target"), ("llama", "sdpa", "static-target"), ("llama", "sdpa", "fused"),
+     ("gemma3", "eager", "dynamic")],
 )
 def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, attention, path, monkeypatch):
     """Rows accept different lengths, so the verification cache gets holes; the static one fills up with them and
@@ -91,10 +93,11 @@ def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, atte
     stats = draft.last_generation_stats
     assert stats.tau > 2.5  # blocks were mostly accepted, and partly rejected
     assert 0 < stats.accept_rate_by_position[0] < 1
-    assert bool(compactions) == (path == "static-target")
+    assert bool(compactions) == (path in ("static-target", "fused"))
 
 
-def test_eos_inside_an_accepted_block_ends_the_row_there():
+@pytest.mark.parametrize("path", ["dynamic", "fused"])
+def test_eos_inside_an_accepted_block_ends_the_row_there(path):
     target = make_tiny_target("llama")
     draft = make_draft("dspark", target, block_size=6)
     ids, mask = _batch()
@@ -104,7 +107,8 @@ def test_eos_inside_an_accepted_block_ends_the_row_there():
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos)
     OracleProposer(draft, free, mask, corrupt=0.0)  # every block is accepted whole, EOS falls inside one
     out = target.generate(
-        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos, assistant_model=draft
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=eos, assistant_model=draft,
+        **PATHS[path],
     )
     assert torch.equal(out, expected)
     generated = out[row, prompt_length:].tolist()
@@ -126,15 +130,16 @@ def _token_first_generated_mid_block(generated, block_size=6):
     raise AssertionError("no suitable token in the reference continuation")
 
 
+@pytest.mark.parametrize("path", ["dynamic", "fused"])
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 8, 13])
-def test_max_new_tokens_is_exact_and_never_overshot(max_new_tokens):
+def test_max_new_tokens_is_exact_and_never_overshot(max_new_tokens, path):
     target = make_tiny_target("qwen3")
     draft = make_draft("eagle3", target, block_size=4)
     ids, mask = _batch()
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
     OracleProposer(draft, target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False), mask, 0.0)
     kwargs = dict(attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
-    out = target.generate(ids, assistant_model=draft, **kwargs)
+    out = target.generate(ids, assistant_model=draft, **kwargs, **PATHS[path])
     assert torch.equal(out, expected)
     stats = draft.last_generation_stats
     # Verification never spends target compute on tokens past the budget: committed == verified prefix + 1.
@@ -167,7 +172,8 @@ class StopAfterToken(StoppingCriteria):
         return (input_ids[:, self.prompt_length :] == self.token).any(-1)
 
 
-def test_stopping_criteria_are_checked_after_every_committed_token():
+@pytest.mark.parametrize("path", ["dynamic", "fused"])
+def test_stopping_criteria_are_checked_after_every_committed_token(path):
     target = make_tiny_target("llama")
     draft = make_draft("dspark", target, block_size=6)
     ids, mask = _batch()
@@ -177,7 +183,8 @@ def test_stopping_criteria_are_checked_after_every_committed_token():
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, stopping_criteria=criteria)
     OracleProposer(draft, free, mask, corrupt=0.0)
     out = target.generate(
-        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, stopping_criteria=criteria, assistant_model=draft
+        ids, attention_mask=mask, max_new_tokens=20, do_sample=False, stopping_criteria=criteria, assistant_model=draft,
+        **PATHS[path],
     )
     assert torch.equal(out, expected)
 
@@ -193,14 +200,16 @@ class Collect(BaseStreamer):
         self.ended += 1
 
 
-def test_streamer_gets_the_prompt_then_every_committed_token_once():
+@pytest.mark.parametrize("path", ["dynamic", "fused"])
+def test_streamer_gets_the_prompt_then_every_committed_token_once(path):
     target = make_tiny_target("llama")
     draft = make_draft("dspark", target, block_size=5)
     ids = torch.tensor([PROMPTS[1]])
     reference = target.generate(ids, max_new_tokens=18, do_sample=False)
     OracleProposer(draft, reference, torch.ones_like(ids), corrupt=0.2)
     streamer = Collect()
-    out = target.generate(ids, max_new_tokens=18, do_sample=False, assistant_model=draft, streamer=streamer)
+    out = target.generate(ids, max_new_tokens=18, do_sample=False, assistant_model=draft, streamer=streamer,
+                          **PATHS[path])
     assert streamer.chunks[0] == PROMPTS[1]
     assert sum(streamer.chunks[1:], []) == out[0, ids.shape[1] :].tolist()
     assert max(len(c) for c in streamer.chunks[1:]) > 1  # whole accepted blocks arrive at once
@@ -316,22 +325,25 @@ def test_stop_strings_cut_an_accepted_block_on_smollm2(smollm2):
     assert draft.last_generation_stats.accept_rate_by_position[0] == 1.0  # the block was accepted, then cut
 
 
-def test_static_verification_is_reused_across_calls_without_carrying_state():
-    """The static verification buffers (and on CUDA their graph) serve later calls of the same shape; each call
-    starts from its own prompt only."""
-    from hf_dspark.generation import target_graphs
+@pytest.mark.parametrize("path", ["static-target", "fused"])
+def test_static_buffers_are_reused_across_calls_without_carrying_state(path):
+    """The static verification buffers (and the fused round's, and on CUDA their graphs) serve later calls of the
+    same shape; each call starts from its own prompt only."""
+    from hf_dspark.generation import round_graph, target_graphs
 
+    registry, owner = (target_graphs._RUNNERS, "target") if path == "static-target" else (round_graph._RUNNERS, "draft")
     target = _target("llama", "sdpa")
     draft = make_draft("dspark", target)
+    held = lambda: registry[target if owner == "target" else draft][1]  # noqa: E731
     ids, mask = _batch()
     kw = dict(max_new_tokens=12, do_sample=False)
-    static = dict(assistant_model=draft, cache_implementation="static", **kw)
+    static = dict(assistant_model=draft, **PATHS[path], **kw)
     first = target.generate(ids, attention_mask=mask, **static)
-    runner = target_graphs._RUNNERS[target][1]
+    runner = held()
     other = torch.tensor([[9, 8, 7, 6, 5, 4], [1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]])
     assert torch.equal(target.generate(other, **static), target.generate(other, **kw))
-    assert target_graphs._RUNNERS[target][1] is runner  # same shape: reused
+    assert held() is runner  # same shape: reused
     assert torch.equal(target.generate(ids, attention_mask=mask, **static), first)
     assert torch.equal(first, target.generate(ids, attention_mask=mask, **kw))
     target.generate(ids[:1], attention_mask=mask[:1], **static)  # another batch size: new buffers
-    assert target_graphs._RUNNERS[target][1] is not runner
+    assert held() is not runner

@@ -20,10 +20,12 @@ one function. Graphs need position-free logits processors (the draft reads no se
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
 from ..models.modeling_draft import DraftProposal
+from .cuda_graphs import capture
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,8 @@ class StaticDraftRunner:
     """Propose / extend for all `rows` of a run through static buffers (CUDA graphs on CUDA when `capture`)."""
 
     def __init__(self, draft, cache, sampler, num_tokens: int, capture: bool):
-        self.draft, self.cache, self.sampler = draft, cache, sampler
+        self._draft = weakref.ref(draft)  # a runner may be kept per draft (round_graph.py): no cycle through it
+        self.cache, self.sampler = cache, sampler
         self.num_tokens = int(num_tokens)
         self.width = self.num_tokens + 1  # committed positions per round: accepted drafts + the new token
         rows, device = cache.batch_size, cache.device
@@ -51,6 +54,10 @@ class StaticDraftRunner:
                 logger.warning("drafting without CUDA graphs (capture failed: %s: %s)", type(err).__name__, err)
                 self._propose_graph = self._extend_graph = None
 
+    @property
+    def draft(self):
+        return self._draft()
+
     # -- the two functions ------------------------------------------------------------------------------------
 
     def _run_propose(self) -> DraftProposal:
@@ -62,23 +69,10 @@ class StaticDraftRunner:
         )
 
     def _capture(self) -> None:
-        # Warm up on a side stream (lazy cuBLAS/cuDNN initialization must not happen inside a capture). Extension
-        # warms up with no valid position, which writes only past every row's length and advances nothing.
-        self.valid.zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run_propose()
-                self._run_extend()
-        torch.cuda.current_stream().wait_stream(stream)
+        # Extension warms up with no valid position, which writes only past every row's length and advances nothing.
         pool = torch.cuda.graph_pool_handle()
-        self._propose_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._propose_graph, pool=pool):
-            self._proposal = self._run_propose()
-        self._extend_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._extend_graph, pool=pool):
-            self._run_extend()
+        self._propose_graph, self._proposal = capture(self._run_propose, pool=pool)
+        self._extend_graph, _ = capture(self._run_extend, before_warmup=self.valid.zero_, pool=pool)
 
     @property
     def captured(self) -> bool:

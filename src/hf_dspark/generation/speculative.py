@@ -77,6 +77,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from ..sampling import TokenSampler, apply_logits_processors
 from ..target import TargetFeatureHooks
 from .draft_graphs import StaticDraftRunner, graphs_supported
+from .round_graph import fused_round_runner
 from .target_graphs import static_target_runner, static_target_unsupported
 from .rejection import verify_block
 from .scheduler import (
@@ -147,6 +148,9 @@ class SpeculativeConfig:
             verified (schedule "none"); the path returns no cache in `return_dict_in_generate` outputs. True (or
             generate()'s `cache_implementation="static"`): always, eagerly on CPU, an error where unsupported;
             False: the dynamic cache.
+        fused_round (`bool`, field `dspark_fused_round`, defaults to False): on the static path, run each whole
+            round (propose, verify, accept, commit, extend) as one CUDA graph with one host read (`round_graph.py`);
+            needs position-free logits processors, schedule "none" and no output_scores / output_logits.
     """
 
     schedule: str = "none"
@@ -155,6 +159,7 @@ class SpeculativeConfig:
     block_size: int | None = None
     draft_graphs: bool | str = "auto"
     target_graphs: bool | str = "auto"
+    fused_round: bool = False
 
     FIELDS = {
         "dspark_schedule": "schedule",
@@ -163,6 +168,7 @@ class SpeculativeConfig:
         "dspark_block_size": "block_size",
         "dspark_draft_graphs": "draft_graphs",
         "dspark_target_graphs": "target_graphs",
+        "dspark_fused_round": "fused_round",
     }
 
     @classmethod
@@ -193,6 +199,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"dspark_{name} must be True, False or 'auto', got {value!r}")
+        if self.fused_round not in (True, False):
+            raise ValueError(f"dspark_fused_round must be True or False, got {self.fused_round!r}")
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -430,6 +438,19 @@ class _Decoder:
         self.mask_dtype = next(model.parameters()).dtype
         # The verify forward on fixed shapes (target_graphs.py): cache_implementation="static".
         self.static_target = static_target
+        # Whole rounds as one graph (round_graph.py).
+        self.fused = bool(config.fused_round)
+        if self.fused:
+            why_not = (
+                "the static verification path is not in use (dspark_target_graphs / cache_implementation)"
+                if not static_target else why_not or (
+                    "it verifies whole blocks only (dspark_schedule='none')" if config.schedule != "none" else
+                    "output_scores / output_logits need each step's scores" if self.want_scores or self.want_logits
+                    else None)
+            )  # fmt: skip
+            if why_not:
+                raise ValueError(f"dspark_fused_round=True cannot be used here: {why_not}")
+            self.static_draft = True
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -588,13 +609,30 @@ class _Decoder:
             first = self._select(scores[:, 0])
             # Room for every committed token plus one round's unread tail (static runs write whole rounds).
             capacity = prompt.shape[1] + self.budget + 2 * (self.num_tokens + 1)
-            dcache = draft.new_context_cache(len(row_ids), capacity=capacity)
+            fused = target_runner = None
+            if self.fused:
+                target_runner = static_target_runner(
+                    model, self.cache_kwarg, cache, rows=len(row_ids), width=self.num_tokens + 1, capacity=capacity,
+                    mask_kind=self.mask_4d, capture=False,
+                )
+                fused = fused_round_runner(
+                    draft, target_runner, self.sampler, self.logits_processor, self.do_sample,
+                    tuple(self.eos_ids.tolist()) if self.eos_ids is not None else (), self.num_tokens, capacity,
+                    capture=device.type == "cuda",
+                )
+                fused.reset()
+                dcache = fused.dcache
+            else:
+                dcache = draft.new_context_cache(len(row_ids), capacity=capacity)
             valid = mask.bool()
             # Left-padding positions have no real context (fully masked queries); keep them out of the draft.
             features = hooks.features.masked_fill(~valid[..., None], 0.0)
             following = torch.cat([prompt[:, 1:], first[:, None]], dim=1)  # the token after each position
             draft.extend_context(dcache, features, valid=valid, next_token_ids=following)
             del out
+            if fused is not None:
+                self._run_fused(fused, target_runner, cache, hooks, rows_t, row_ids, mask, scores, raw, first, t0)
+                return
             runner = target_runner = None
             if self.static_draft:
                 runner = StaticDraftRunner(draft, dcache, self.sampler, self.num_tokens, capture=self.capture_graphs)
@@ -627,6 +665,51 @@ class _Decoder:
                 counts, finished, mask, real = self._round(
                     cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t, target_runner
                 )
+
+    def _run_fused(self, fused, target_runner, cache, hooks, rows_t, row_ids, mask, scores, raw, first, t0) -> None:
+        """The rest of a call on the fused path: every round one graph replay and one host read."""
+        target_runner.load(cache, mask, hooks)
+        cache.crop(0)  # the prompt's keys and values now live in the runner's buffers
+        counts, finished, _ = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
+        self.buffer = fused.start(self.buffer, self.prompt_length, self.budget, self.lengths_t, mask.sum(-1),
+                                  ~torch.tensor(finished, device=mask.device))  # fmt: skip
+        self.lengths_t = fused.lengths
+        self.stats.draft_graphs = self.stats.target_graphs = fused.capture
+        self.stats.fused_round = True
+        self.stats.prefill_time += time.perf_counter() - t0
+        running = [i for i, f in enumerate(finished) if not f]
+        while running:
+            start = time.perf_counter()
+            before = {i: self.lengths[row_ids[i]] for i in running}
+            (counts_h, finished_h, accepted_h, verify_h, keep_h), confidences = fused.step()
+            counts = [counts_h[i] for i in running]
+            done = [bool(finished_h[i]) for i in running]
+            if len(self.other_criteria):
+                cut, done = self._apply_criteria(rows_t[running], [row_ids[i] for i in running], counts, done, None)
+                changed = [k for k in range(len(running)) if cut[k] != counts[k]]
+                if changed:
+                    fused.set_lengths([running[k] for k in changed], [before[running[k]] + cut[k] for k in changed])
+                counts = cut
+            stop = []
+            for k, i in enumerate(running):
+                self.lengths[row_ids[i]] += counts[k]
+                if self.lengths[row_ids[i]] >= self.budget:
+                    done[k] = True
+                if done[k] and not finished_h[i]:
+                    stop.append(i)  # stopped by the host (a criterion), not by the graph (EOS, budget)
+            if stop:
+                fused.stop_rows(stop)
+            self.stats.new_tokens += sum(counts)
+            self.stats.acceptance.add_round(
+                [verify_h[i] for i in running], [accepted_h[i] for i in running],
+                None if confidences is None else confidences[running], committed=counts,
+            )  # fmt: skip
+            target_runner.kept(keep_h[0])
+            if self.streamer is not None and running[0] == 0 and counts[0]:
+                base = self.prompt_length + before[0]
+                self.streamer.put(self.buffer[:1, base : base + counts[0]].cpu())
+            running = [i for k, i in enumerate(running) if not done[k]]
+            self.stats.verify_time += time.perf_counter() - start
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:

@@ -29,6 +29,7 @@ class SpeculativeStats:
     total_time: float = 0.0
     draft_graphs: bool = False  # whether the draft's rounds were replayed as CUDA graphs
     target_graphs: bool = False  # whether the target's verify forwards were (cache_implementation="static")
+    fused_round: bool = False  # whole rounds as one graph (dspark_fused_round): draft time is inside verify time
 
     @property
     def tau(self) -> float:
@@ -60,6 +61,7 @@ class SpeculativeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.draft_graphs = self.draft_graphs and other.draft_graphs
         self.target_graphs = self.target_graphs and other.target_graphs
+        self.fused_round = self.fused_round and other.fused_round
         return self
 
     def to_dict(self) -> dict:
@@ -76,6 +78,7 @@ class SpeculativeStats:
             "total_time": self.total_time,
             "draft_graphs": self.draft_graphs,
             "target_graphs": self.target_graphs,
+            "fused_round": self.fused_round,
         }
         out.update(self.acceptance.to_dict())
         return out

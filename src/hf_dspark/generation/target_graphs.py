@@ -29,6 +29,8 @@ import weakref
 
 import torch
 
+from .cuda_graphs import capture
+
 logger = logging.getLogger(__name__)
 
 
@@ -138,17 +140,8 @@ class StaticTargetRunner:
         return out.logits[:, -self.width :], self.hooks.features
 
     def _capture(self) -> None:
-        # Warm-up on a side stream (lazy library initialization must not happen inside a capture); it writes only
-        # uncommitted columns, which no row reads.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(stream)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._outputs = self._forward()
+        # The warm-up runs write only uncommitted columns, which no row reads.
+        self._graph, self._outputs = capture(self._forward)
 
     # -- what the decoding loop calls -----------------------------------------------------------------------
 
@@ -175,6 +168,14 @@ class StaticTargetRunner:
         if self.cache.length + self.width > self.capacity:
             self._compact()
         self.length_t.fill_(self.cache.length)
+
+    def kept(self, keep: int) -> None:
+        """The host's side of a commit made inside a graph (round_graph.py), which already advanced `length_t`:
+        the host length, and compaction when the next window would not fit."""
+        self.cache.length += keep
+        if self.cache.length + self.width > self.capacity:
+            self._compact()
+            self.length_t.fill_(self.cache.length)
 
     def _compact(self) -> None:
         """Move every row's readable keys (and values) to the front of the buffers, in order."""

@@ -1,0 +1,199 @@
+"""A whole speculative round as one CUDA graph: propose, verify, accept, commit, extend (`dspark_fused_round`).
+
+On the static path (`target_graphs.py`, `draft_graphs.py`) a SmolLM2 round on an H200 took 5.1 ms: the draft's and
+the target's graphs, plus ~150 small operators between them (window assembly, logits processing, rejection, the
+commit's writes, the caches' bookkeeping), each a launch and some Python. Every one of those is a function of
+device state, so the round is captured whole:
+
+    anchors -> draft proposal (n tokens) -> verify forward over [anchor, drafts] -> processed scores ->
+    `verify_block` (greedy or rejection sampling) -> tokens cut at EOS and the budget -> token rows, lengths and
+    positions advanced -> the verification cache's committed columns -> the draft's context extended
+
+and the host reads one [5, rows] tensor per round (committed counts, finished flags, accepted and verified
+lengths, the columns the verification cache kept). What stays on the host: stopping criteria other than EOS (a cut
+row is corrected eagerly), statistics, the streamer, and compacting the verification cache when it fills.
+
+Every row of the call keeps its slot; rows that finished are masked by `running` and commit nothing. The buffers
+(token rows, the draft's context cache, positions) and the graph are kept per draft for later calls with the same
+shape, sampling settings and EOS ids (`fused_round_runner`), as the verification runner is kept per target. The
+same function runs eagerly without CUDA (the CPU tests exercise it). Needs position-free logits processors, whole
+blocks (schedule "none") and no per-step scores or logits in the output.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from ..sampling import apply_logits_processors
+from .cuda_graphs import capture as capture_graph
+from .draft_graphs import StaticDraftRunner
+from .rejection import verify_block
+
+logger = logging.getLogger(__name__)
+
+
+class FusedRoundRunner:
+    """Rounds of a static call through one graph (eager without CUDA)."""
+
+    def __init__(self, draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
+                 num_tokens: int, capacity: int, capture: bool):
+        rows, device = target_runner.rows, target_runner.key_valid.device
+        self.rows, self.n, self.width = rows, int(num_tokens), int(num_tokens) + 1
+        self.target_runner, self.processors, self.do_sample = target_runner, processors, do_sample
+        self.dcache = draft.new_context_cache(rows, capacity=capacity)
+        self.draft_runner = StaticDraftRunner(draft, self.dcache, sampler, num_tokens, capture=False)
+        self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device) if eos_ids else None
+        long = dict(dtype=torch.long, device=device)
+        # The call's token rows (prompt, then generated tokens; drafts are written past each row's length).
+        self.tokens = torch.zeros(rows, capacity + self.width + 2, **long)
+        self.prompt_length = torch.zeros((), **long)
+        self.budget = torch.zeros((), **long)
+        self.lengths = torch.zeros(rows, **long)  # generated tokens per row
+        self.real = torch.zeros(rows, **long)  # the target position of each row's next token
+        self.running = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.slot = torch.arange(self.width, device=device)
+        self.out = torch.zeros(5, rows, **long)
+        self.capture = capture and device.type == "cuda"
+        self._graph = None
+        self._confidences = None
+
+    # -- a call ---------------------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Before the draft's prefill: an empty context cache."""
+        self.dcache.lengths.zero_()
+        self.dcache.bound = 0
+
+    def start(self, tokens: torch.Tensor, prompt_length: int, budget: int, lengths: torch.Tensor,
+              real: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        """Load the call's state (after the prefill committed the first token); returns the token rows' view the
+        decoder reads as its buffer."""
+        width = tokens.shape[1]
+        self.tokens[:, :width] = tokens
+        self.prompt_length.fill_(prompt_length)
+        self.budget.fill_(budget)
+        self.lengths.copy_(lengths)
+        self.real.copy_(real)
+        self.running.copy_(running)
+        if self.capture and self._graph is None:
+            try:
+                self._graph, _ = capture_graph(self._round, before_warmup=self._idle)
+            except Exception as err:  # noqa: BLE001 - whatever capture refuses, the eager round is exact
+                logger.warning("rounds without a CUDA graph (capture failed: %s: %s)", type(err).__name__, err)
+                self._graph, self.capture = None, False
+            finally:
+                self.running.copy_(running)  # the warm-up ran with every row idle
+        return self.tokens[:, :width]
+
+    def _idle(self) -> None:
+        """Warm-up state: no row runs, so a round commits nothing and writes only past every row's length."""
+        self.running.zero_()
+
+    def step(self) -> list[list]:
+        """One round; the host's copy of [counts, finished, accepted, verified, kept columns] per row (the only
+        synchronization), plus the proposal's confidences [rows, n] on the host (None without a confidence head)."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._round()
+        confidences = None
+        if self._confidences is not None:
+            confidences = self._confidences.to("cpu", non_blocking=True)
+        host = self.out.tolist()
+        return host, confidences
+
+    def stop_rows(self, rows: list[int]) -> None:
+        """Rows the host stopped (a stopping criterion): they commit nothing from now on."""
+        self.running[torch.tensor(rows, device=self.running.device)] = False
+
+    def set_lengths(self, rows: list[int], lengths: list[int]) -> None:
+        """Rows whose committed tokens the host cut (a stopping criterion)."""
+        index = torch.tensor(rows, device=self.lengths.device)
+        self.lengths[index] = torch.tensor(lengths, device=self.lengths.device)
+
+    # -- the captured function ------------------------------------------------------------------------------
+
+    def _round(self) -> None:
+        n, slot, running = self.n, self.slot, self.running
+        anchors = self.tokens.gather(1, (self.prompt_length + self.lengths - 1)[:, None]).squeeze(1)
+        draft = self.draft_runner
+        draft.anchor_ids.copy_(anchors)
+        proposal = draft._run_propose()
+        self._confidences = proposal.confidences
+        drafts = proposal.tokens[:, :n]
+        caps = (self.budget - 1 - self.lengths).clamp(min=0, max=n)  # whole blocks, cut by the token budget
+        window = torch.cat([anchors[:, None], drafts], dim=1)  # [rows, n + 1]
+        target = self.target_runner
+        target.window.copy_(window)
+        target.positions.copy_(self.real[:, None] + slot)
+        logits, features = target._forward()
+        scores = logits.float()
+        if len(self.processors):
+            flat = scores.reshape(-1, scores.shape[-1])
+            dummy = torch.zeros(flat.shape[0], 0, dtype=torch.long, device=flat.device)
+            scores = apply_logits_processors(self.processors, dummy, flat.clone()).view_as(scores)
+        result = verify_block(scores, drafts, proposal.probs, caps, self.do_sample)
+        accepted = result.num_accepted
+        # new_tokens[:, j] = the token after window position j: x_{j+1} while accepted, then the new token.
+        new_tokens = torch.cat([window[:, 1:], window[:, :1]], dim=1).scatter(
+            1, accepted[:, None], result.next_tokens[:, None]
+        )
+        counts = accepted + 1
+        finished = torch.zeros_like(running)
+        if self.eos is not None:
+            is_eos = torch.isin(new_tokens, self.eos) & (slot[None, :] < counts[:, None])
+            hit = is_eos.any(dim=-1)
+            counts = torch.where(hit, torch.minimum(counts, is_eos.long().argmax(dim=-1) + 1), counts)
+            finished |= hit
+        counts = counts * running
+        # Every column is written; those past a row's count lie beyond its length, where nothing reads them.
+        columns = self.prompt_length + self.lengths[:, None] + slot
+        self.tokens.scatter_(1, columns, new_tokens)
+        self.lengths += counts
+        finished = (finished | (self.lengths >= self.budget)) & running
+        continuing = running & ~finished
+        # The verification cache keeps the longest committed prefix among continuing rows (else among all).
+        taken = accepted + 1
+        keep = torch.where(continuing.any(), (taken * continuing).amax(), (taken * running).amax())
+        committed = (slot[None, :] < keep) & (slot[None, :] <= accepted[:, None]) & running[:, None]
+        target.key_valid.scatter_(1, (target.length_t + slot)[None, :].expand_as(committed), committed)
+        target.length_t += keep
+        self.real += taken * running
+        draft.features.copy_(features.to(draft.features.dtype))
+        draft.valid.copy_((slot[None, :] <= accepted[:, None]) & running[:, None])
+        draft.next_ids.copy_(new_tokens)
+        draft._run_extend()
+        running &= ~finished
+        self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
+
+
+def processors_signature(processors) -> tuple:
+    """What a captured round bakes in of the logits processors: their classes and settings."""
+    return tuple((type(p).__name__, tuple(sorted((k, repr(v)) for k, v in vars(p).items()))) for p in processors)
+
+
+_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> (key, runner)
+
+
+def fused_round_runner(draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
+                       num_tokens: int, capacity: int, capture: bool) -> FusedRoundRunner:
+    """The draft's runner for this call: the last one when everything its graph bakes in matches, else new."""
+    weights = next(draft.parameters())
+    key = (id(target_runner), processors_signature(processors), do_sample, tuple(eos_ids), int(num_tokens),
+           capture, weights.data_ptr())  # fmt: skip
+    held = _RUNNERS.get(draft)
+    if held is not None and held[0] == key and held[1].target_runner is target_runner:
+        if held[1].dcache.capacity >= capacity:
+            return held[1]
+    _RUNNERS.pop(draft, None)
+    capacity = max(int(capacity), target_runner.capacity)  # the target's rounding: calls of one shape share it
+    runner = FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, capacity,
+                              capture)  # fmt: skip
+    _RUNNERS[draft] = (key, runner)
+    return runner
+
+
+__all__ = ["FusedRoundRunner", "fused_round_runner", "processors_signature"]
