@@ -147,14 +147,17 @@ def test_max_new_tokens_is_exact_and_never_overshot(max_new_tokens, path):
     assert stats.new_tokens == max_new_tokens * len(ids)
 
 
+@pytest.mark.parametrize("static_target", [False, True], ids=["dynamic", "static-target"])
 @pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
-def test_logits_processors_that_read_the_sequence_match(drafter):
-    """Repetition penalty, n-gram bans and min length depend on each row's exact sequence and length."""
+def test_logits_processors_that_read_the_sequence_match(drafter, static_target):
+    """Repetition penalty, n-gram bans and min length depend on each row's exact sequence and length (the draft then
+    runs its dynamic path; the verification may still be static, as "auto" chooses on CUDA)."""
     target = make_tiny_target("llama")
     draft = make_draft(drafter, target, block_size=5)
     ids, mask = _batch()
-    kwargs = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=6)
-    expected = target.generate(ids, attention_mask=mask, **kwargs)
+    kwargs = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=6,
+                  dspark_target_graphs=static_target)
+    expected = target.generate(ids, attention_mask=mask, **{k: v for k, v in kwargs.items() if not k.startswith("dspark")})
     assert torch.equal(target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs), expected)
     OracleProposer(draft, expected, mask, corrupt=0.2)
     assert torch.equal(target.generate(ids, attention_mask=mask, assistant_model=draft, **kwargs), expected)
