@@ -112,6 +112,7 @@ def test_eval_end_to_end(workdir, capsys):
         assert row["rounds"] > 0 and row["tau"] == pytest.approx(row["committed_tokens"] / row["rounds"])
         assert len(row["accept_rate_by_position"]) <= row["block_size"]
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / baselines[temp]["tokens_per_s"])
+        assert row["target_graphs"] is False  # CPU: generate()'s default is the dynamic cache
         # Each prompt's first token comes from the prefill; every later one was committed by a round.
         assert row["new_tokens"] - 2 <= row["committed_tokens"] <= row["new_tokens"]
         if temp == 0.0:  # greedy speculative decoding reproduces the target's own output, so its length too

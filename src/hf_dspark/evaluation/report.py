@@ -72,6 +72,12 @@ def results_markdown(results) -> str:
         "- tau = committed tokens per verification round (accepted + 1 bonus); speedup = wall-clock tokens/s with "
         "the draft / tokens/s of the target alone on the same prompts and settings",
     ]
+    if any(r.get("target_graphs") for r in rows):
+        out.append(
+            "- the drafts verified through the static path (the target's verify forward as a CUDA graph, "
+            "generate()'s default on CUDA); the target alone ran eagerly, so part of the speedup is the graphs "
+            "(--static_baseline compares with the target's own compiled static-cache decoding)"
+        )
     if settings.get("generate_kwargs"):
         out.append(f"- draft generate() options: `{json.dumps(settings['generate_kwargs'])}`")
     if results.command:

@@ -108,6 +108,8 @@ class CallStats:
     prefill_time: float | None = None
     block_size: int | None = None  # draft tokens per round actually used (a generate() option may lower it)
     schedule: str | None = None
+    target_graphs: bool = False  # the verify forwards replayed as CUDA graphs (the static path)
+    draft_graphs: bool = False
 
 
 def generation_stats(draft: nn.Module, output) -> CallStats | None:
@@ -130,6 +132,8 @@ def generation_stats(draft: nn.Module, output) -> CallStats | None:
         prefill_time=getattr(stats, "prefill_time", None),
         block_size=getattr(stats, "block_size", None) or None,
         schedule=getattr(stats, "schedule", None),
+        target_graphs=bool(getattr(stats, "target_graphs", False)),
+        draft_graphs=bool(getattr(stats, "draft_graphs", False)),
     )
 
 
@@ -449,6 +453,10 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
         "prefill_time_s": _total([c.stats.prefill_time for c in calls]),
         "draft_time_s": _total([c.stats.draft_time for c in calls]),
         "verify_time_s": _total([c.stats.verify_time for c in calls]),
+        # Which decoding path ran (generate()'s defaults choose per device): CUDA graphs make much of a speedup
+        # over the eager target on a small model, so the row says whether they were used.
+        "target_graphs": all(c.stats.target_graphs for c in calls),
+        "draft_graphs": all(c.stats.draft_graphs for c in calls),
         "calibration": None,
     }
     groups = [_raw_confidence_records(draft, c.stats.acceptance.confidence_records) for c in calls]
