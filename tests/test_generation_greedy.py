@@ -75,10 +75,10 @@ def test_sliding_window_target_is_decoded_row_by_row_and_matches():
 def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, attention, path, monkeypatch):
     """Rows accept different lengths, so the verification cache gets holes; the static one fills up with them and
     compacts (moves each row's keys to the front) during the call."""
-    from hf_dspark.generation import target_graphs
+    from hf_dspark.generation import cuda_graphs
     from hf_dspark.generation.target_graphs import StaticTargetRunner
 
-    monkeypatch.setattr(target_graphs, "CAPACITY_STEP", 1)  # capacity exactly as asked: the holes fill it up
+    monkeypatch.setattr(cuda_graphs, "CAPACITY_STEP", 1)  # capacity exactly as asked: the holes fill it up
     compactions = []
     compact = StaticTargetRunner._compact
     monkeypatch.setattr(StaticTargetRunner, "_compact", lambda self: (compactions.append(1), compact(self)))
@@ -328,13 +328,17 @@ def test_stop_strings_cut_an_accepted_block_on_smollm2(smollm2):
     assert draft.last_generation_stats.accept_rate_by_position[0] == 1.0  # the block was accepted, then cut
 
 
-@pytest.mark.parametrize("path", ["static-target", "fused"])
+@pytest.mark.parametrize("path", ["static", "static-target", "fused"])
 def test_static_buffers_are_reused_across_calls_without_carrying_state(path):
-    """The static verification buffers (and the fused round's, and on CUDA their graphs) serve later calls of the
-    same shape; each call starts from its own prompt only."""
-    from hf_dspark.generation import round_graph, target_graphs
+    """The static draft's, the static verification's and the fused round's buffers (and on CUDA their graphs)
+    serve later calls of the same shape; each call starts from its own prompt only."""
+    from hf_dspark.generation import draft_graphs, round_graph, target_graphs
 
-    registry, owner = (target_graphs._RUNNERS, "target") if path == "static-target" else (round_graph._RUNNERS, "draft")
+    registry, owner = {
+        "static": (draft_graphs._RUNNERS, "draft"),
+        "static-target": (target_graphs._RUNNERS, "target"),
+        "fused": (round_graph._RUNNERS, "draft"),
+    }[path]
     target = _target("llama", "sdpa")
     draft = make_draft("dspark", target)
     held = lambda: registry[target if owner == "target" else draft][1]  # noqa: E731

@@ -1,5 +1,6 @@
-"""Capturing a function of static buffers as a CUDA graph: the one recipe the draft, verification and whole-round
-runners share (`draft_graphs.py`, `target_graphs.py`, `round_graph.py`)."""
+"""Capturing a function of static buffers as a CUDA graph, and keeping the runners that own such graphs for later
+calls: what the draft, verification and whole-round runners share (`draft_graphs.py`, `target_graphs.py`,
+`round_graph.py`)."""
 
 from __future__ import annotations
 
@@ -24,4 +25,22 @@ def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
     return graph, outputs
 
 
-__all__ = ["capture"]
+# Cache capacities are rounded up to this, so calls with nearby lengths share one runner.
+CAPACITY_STEP = 256
+
+
+def kept_runner(registry, owner, key, capacity: int, capacity_of, build):
+    """The runner kept in `registry` (a WeakKeyDictionary) for `owner` when it was built for `key` and its capacity
+    fits this call (at least `capacity`, at most 4x it rounded: attention reads every column), else `build(capacity
+    rounded up)`, kept in its place (the old one's buffers and graphs are freed first)."""
+    rounded = -(-int(capacity) // CAPACITY_STEP) * CAPACITY_STEP
+    held = registry.get(owner)
+    if held is not None and held[0] == key and capacity <= capacity_of(held[1]) <= 4 * rounded:
+        return held[1]
+    registry.pop(owner, None)
+    runner = build(rounded)
+    registry[owner] = (key, runner)
+    return runner
+
+
+__all__ = ["CAPACITY_STEP", "capture", "kept_runner"]

@@ -3,10 +3,12 @@
 Profiled at batch 1 on an H200 (SmolLM2-135M target, 2-layer DSpark draft), the draft's eager proposal and
 context extension cost ~13 ms of host time per round, half a target decode step, although its GPU work is a
 fraction of a millisecond: the round was dispatch-bound. Both are pure functions of fixed-size state, so they are
-captured once per generate() call and replayed (one launch each):
+captured once (after a call's prefill) and replayed (one launch each); the runner, its context cache and graphs
+are kept per draft for later calls with the same rows, sampling settings and a fitting capacity
+(`static_draft_runner`), since capturing costs a few eager rounds:
 
 - every row of the run keeps its slot (rows that finished keep running, unread: shapes never change);
-- the draft's context cache has a fixed capacity for the whole call (`DraftContextCache.fixed`) and attention
+- the draft's context cache has a fixed capacity (`DraftContextCache.fixed`, reset per call) and attention
   reads all of it under the key mask;
 - propose always drafts the configured number of tokens (the decoding loop uses a prefix near the token
   budget; slots are drawn left to right, so a prefix has the same law);
@@ -25,7 +27,7 @@ import weakref
 import torch
 
 from ..models.modeling_draft import DraftProposal
-from .cuda_graphs import capture
+from .cuda_graphs import capture, kept_runner
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ class StaticDraftRunner:
     """Propose / extend for all `rows` of a run through static buffers (CUDA graphs on CUDA when `capture`)."""
 
     def __init__(self, draft, cache, sampler, num_tokens: int, capture: bool):
-        self._draft = weakref.ref(draft)  # a runner may be kept per draft (round_graph.py): no cycle through it
+        self._draft = weakref.ref(draft)  # runners are kept per draft (static_draft_runner): no cycle through it
         self.cache, self.sampler = cache, sampler
         self.num_tokens = int(num_tokens)
         self.width = self.num_tokens + 1  # committed positions per round: accepted drafts + the new token
@@ -45,14 +47,26 @@ class StaticDraftRunner:
         self.valid = torch.zeros(rows, self.width, dtype=torch.bool, device=device)
         self.next_ids = torch.zeros(rows, self.width, dtype=torch.long, device=device)
         cache.fixed = True
+        self.capture = capture and device.type == "cuda"
         self._propose_graph = self._extend_graph = None
         self._proposal: DraftProposal | None = None
-        if capture and device.type == "cuda":
+
+    def reset(self) -> None:
+        """Before a call's prefill: an empty context cache (buffers and graphs stay)."""
+        self.cache.lengths.zero_()
+        self.cache.bound = 0
+
+    def ready(self) -> bool:
+        """After the prefill (Eagle3's propose reads state the prefill creates): capture once if asked; whether the
+        rounds replay graphs."""
+        if self.capture and self._propose_graph is None:
             try:
                 self._capture()
             except Exception as err:  # noqa: BLE001 - whatever capture refuses, the eager static path is exact
                 logger.warning("drafting without CUDA graphs (capture failed: %s: %s)", type(err).__name__, err)
                 self._propose_graph = self._extend_graph = None
+                self.capture = False
+        return self.captured
 
     @property
     def draft(self):
@@ -110,6 +124,27 @@ class StaticDraftRunner:
             self._run_extend()
 
 
+def processors_signature(processors) -> tuple:
+    """What a captured proposal bakes in of the logits processors: their classes and settings."""
+    return tuple((type(p).__name__, tuple(sorted((k, repr(v)) for k, v in vars(p).items()))) for p in processors)
+
+
+_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> (key, runner)
+
+
+def static_draft_runner(draft, rows: int, capacity: int, sampler, processors, do_sample: bool, num_tokens: int,
+                        capture: bool) -> StaticDraftRunner:
+    """The draft's runner for this call, reset: the last one when its shape, sampling settings and capacity fit
+    (its graphs are replayed again: capturing costs a few eager rounds, a large share of a short generation),
+    else a new one with a fresh context cache."""
+    key = (rows, int(num_tokens), processors_signature(processors), do_sample, capture,
+           next(draft.parameters()).data_ptr())  # fmt: skip
+    build = lambda cap: StaticDraftRunner(draft, draft.new_context_cache(rows, capacity=cap), sampler, num_tokens, capture)  # noqa: E731
+    runner = kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.cache.capacity, build)
+    runner.reset()
+    return runner
+
+
 def graphs_supported(position_free: bool, sliding_target: bool) -> str | None:
     """Why the static path cannot serve this call (None when it can)."""
     if not position_free:
@@ -119,4 +154,4 @@ def graphs_supported(position_free: bool, sliding_target: bool) -> str | None:
     return None
 
 
-__all__ = ["StaticDraftRunner", "graphs_supported"]
+__all__ = ["StaticDraftRunner", "graphs_supported", "processors_signature", "static_draft_runner"]

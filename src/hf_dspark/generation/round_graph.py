@@ -28,8 +28,8 @@ import weakref
 import torch
 
 from ..sampling import apply_logits_processors
-from .cuda_graphs import capture as capture_graph
-from .draft_graphs import StaticDraftRunner
+from .cuda_graphs import capture as capture_graph, kept_runner
+from .draft_graphs import StaticDraftRunner, processors_signature
 from .rejection import verify_block
 
 logger = logging.getLogger(__name__)
@@ -170,30 +170,21 @@ class FusedRoundRunner:
         self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
 
 
-def processors_signature(processors) -> tuple:
-    """What a captured round bakes in of the logits processors: their classes and settings."""
-    return tuple((type(p).__name__, tuple(sorted((k, repr(v)) for k, v in vars(p).items()))) for p in processors)
-
-
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> (key, runner)
 
 
 def fused_round_runner(draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
                        num_tokens: int, capacity: int, capture: bool) -> FusedRoundRunner:
-    """The draft's runner for this call: the last one when everything its graph bakes in matches, else new."""
-    weights = next(draft.parameters())
-    key = (id(target_runner), processors_signature(processors), do_sample, tuple(eos_ids), int(num_tokens),
-           capture, weights.data_ptr())  # fmt: skip
-    held = _RUNNERS.get(draft)
-    if held is not None and held[0] == key and held[1].target_runner is target_runner:
-        if held[1].dcache.capacity >= capacity:
-            return held[1]
-    _RUNNERS.pop(draft, None)
-    capacity = max(int(capacity), target_runner.capacity)  # the target's rounding: calls of one shape share it
-    runner = FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, capacity,
-                              capture)  # fmt: skip
-    _RUNNERS[draft] = (key, runner)
-    return runner
+    """The draft's runner for this call: the last one when everything its graph bakes in matches (`kept_runner`;
+    it holds the verification runner it was built with, so that one's id cannot be reused meanwhile), else new."""
+    key = (id(target_runner), processors_signature(processors), do_sample, tuple(eos_ids), int(num_tokens), capture,
+           next(draft.parameters()).data_ptr())  # fmt: skip
+
+    def build(cap: int) -> FusedRoundRunner:
+        cap = max(cap, target_runner.capacity)  # calls of one verification shape share the runner
+        return FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, cap, capture)
+
+    return kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.dcache.capacity, build)
 
 
-__all__ = ["FusedRoundRunner", "fused_round_runner", "processors_signature"]
+__all__ = ["FusedRoundRunner", "fused_round_runner"]

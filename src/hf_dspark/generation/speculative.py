@@ -76,7 +76,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from ..sampling import TokenSampler, apply_logits_processors
 from ..target import TargetFeatureHooks
-from .draft_graphs import StaticDraftRunner, graphs_supported
+from .draft_graphs import graphs_supported, static_draft_runner
 from .round_graph import fused_round_runner
 from .target_graphs import static_target_runner, static_target_unsupported
 from .rejection import verify_block
@@ -622,6 +622,12 @@ class _Decoder:
                 )
                 fused.reset()
                 dcache = fused.dcache
+            elif self.static_draft:
+                runner = static_draft_runner(
+                    draft, len(row_ids), capacity, self.sampler, self.logits_processor, self.do_sample,
+                    self.num_tokens, capture=self.capture_graphs,
+                )
+                dcache = runner.cache
             else:
                 dcache = draft.new_context_cache(len(row_ids), capacity=capacity)
             valid = mask.bool()
@@ -633,10 +639,10 @@ class _Decoder:
             if fused is not None:
                 self._run_fused(fused, target_runner, cache, hooks, rows_t, row_ids, mask, scores, raw, first, t0)
                 return
-            runner = target_runner = None
-            if self.static_draft:
-                runner = StaticDraftRunner(draft, dcache, self.sampler, self.num_tokens, capture=self.capture_graphs)
-                self.stats.draft_graphs = runner.captured
+            if not self.static_draft:
+                runner = None
+            else:
+                self.stats.draft_graphs = runner.ready()
             if self.static_target:
                 target_runner = static_target_runner(
                     model, self.cache_kwarg, cache, rows=len(row_ids), width=self.num_tokens + 1, capacity=capacity,

@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from .cuda_graphs import capture
+from .cuda_graphs import capture, kept_runner
 
 logger = logging.getLogger(__name__)
 
@@ -194,27 +194,18 @@ class StaticTargetRunner:
 
 
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (key, runner): one per target
-CAPACITY_STEP = 256  # capacities are rounded up to this, so calls with nearby lengths share one runner
 
 
 def static_target_runner(model, cache_kwarg: str, prefill_cache, rows: int, width: int, capacity: int,
                          mask_kind: str, capture: bool) -> StaticTargetRunner:
-    """The target's runner for this call: the last one when the shape matches and its capacity suffices (not
-    over 4x: attention reads every column), so its graph is replayed again; else a new one."""
+    """The target's runner for this call: the last one when the shape matches and its capacity fits, so its graph
+    is replayed again; else a new one (`kept_runner`)."""
     layers = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype) for layer in prefill_cache.layers)
     device = prefill_cache.layers[0].keys.device
-    weights = next(model.parameters())
     # Replaced weights (a reload, .to()) would leave a graph reading freed memory: their address is in the key.
-    key = (cache_kwarg, layers, rows, width, mask_kind, capture, str(device), weights.data_ptr())
-    rounded = -(-int(capacity) // CAPACITY_STEP) * CAPACITY_STEP
-    held = _RUNNERS.get(model)
-    if held is not None and held[0] == key and capacity <= held[1].capacity <= 4 * rounded:
-        return held[1]
-    _RUNNERS.pop(model, None)  # one runner per target: free the old buffers and graph first
-    capacity = rounded
-    runner = StaticTargetRunner(model, cache_kwarg, list(layers), rows, width, capacity, mask_kind, capture, device)
-    _RUNNERS[model] = (key, runner)
-    return runner
+    key = (cache_kwarg, layers, rows, width, mask_kind, capture, str(device), next(model.parameters()).data_ptr())
+    build = lambda cap: StaticTargetRunner(model, cache_kwarg, list(layers), rows, width, cap, mask_kind, capture, device)  # noqa: E731
+    return kept_runner(_RUNNERS, model, key, capacity, lambda r: r.capacity, build)
 
 
 __all__ = ["StaticTargetRunner", "StaticVerifyCache", "static_target_runner", "static_target_unsupported"]
