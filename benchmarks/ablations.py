@@ -44,6 +44,9 @@ VARIANTS = {
     "sequence_normalization": ["--loss_normalization", "sequence"],
     "late_layers": ["--target_layer_ids", "8", "14", "20", "24", "28"],
     "padded_1024_random_order": ["--train_sampling_strategy", "random", "--pad_to_multiple_of", "1024"],
+    # The three drafters at equal wall-clock budget (issue 13): each with its recipe defaults.
+    "dflash": ["--algorithm", "dflash"],
+    "eagle3": ["--algorithm", "eagle3"],
 }
 
 
@@ -79,8 +82,10 @@ def run_command(args, name: str, flags: list[str]) -> list[str]:
     if args.target:
         cmd += ["--target_model", args.target]
     if args.smoke:
-        cmd += ["--use_cpu", "true", "--per_device_train_batch_size", "2", "--max_length", "128",
-                "--num_anchors", "8", "--block_size", "4", "--per_device_eval_batch_size", "2"]  # fmt: skip
+        cmd += ["--use_cpu", "true", "--per_device_train_batch_size", "2", "--max_length", "128", "--block_size", "4",
+                "--per_device_eval_batch_size", "2"]  # fmt: skip
+        if "eagle3" not in flags:  # Eagle3 trains on every position: it has no anchors
+            cmd += ["--num_anchors", "8"]
     return cmd + flags  # the variant's flags last: they win over the settings above
 
 
