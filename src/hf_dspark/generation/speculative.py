@@ -775,9 +775,9 @@ class _Decoder:
         if width > 1:
             drafts = proposal.tokens[:, : width - 1]
             window = torch.cat([window, drafts], dim=1)
-            # Tentative drafts after each sequence: the target's logits processors read them.
-            cols = self.prompt_length + lengths_t[:, None] + torch.arange(width - 1, device=device)
-            self.buffer[rows_t[:, None].expand_as(cols), cols] = drafts
+            if not self.position_free:  # tentative drafts after each sequence: the logits processors read them
+                cols = self.prompt_length + lengths_t[:, None] + torch.arange(width - 1, device=device)
+                self.buffer[rows_t[:, None].expand_as(cols), cols] = drafts
         slot = torch.arange(width, device=device)[None, :]
         if target_runner is not None:
             raw, features = target_runner.verify(local_t, window, real[:, None] + slot)
