@@ -114,12 +114,17 @@ def _accept_always(target_scores, draft_tokens, draft_probs, num_proposed, do_sa
     return VerifyResult(num_proposed.clone(), honest.next_tokens)
 
 
+@pytest.mark.parametrize("path", ["dynamic", "fused"])
 @pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
-def test_a_biased_acceptance_rule_is_detected(target, drafter, monkeypatch):
-    """Accepting every proposed token (no min(1, p/q) test) must fail the same statistic."""
+def test_a_biased_acceptance_rule_is_detected(target, drafter, path, monkeypatch):
+    """Accepting every proposed token (no min(1, p/q) test) must fail the same statistic, on the dynamic path and
+    inside the fused round."""
+    from hf_dspark.generation import round_graph
+
     monkeypatch.setattr(speculative, "verify_block", _accept_always)
+    monkeypatch.setattr(round_graph, "verify_block", _accept_always)
     draft = _draft(drafter, target)
-    _, _, p_value = chi_square_test(_sample(target, "t1", draft), _expected("t1"))
+    _, _, p_value = chi_square_test(_sample(target, "t1", draft, **PATHS[path]), _expected("t1"))
     assert p_value < 1e-8
 
 

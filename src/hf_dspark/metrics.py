@@ -68,7 +68,10 @@ class AcceptanceStats:
         if confidences is not None:
             conf = _to_numpy(confidences)
             for row in range(len(proposed)):
-                self.confidence_records.append((conf[row, : proposed[row]].astype(np.float64), accepted[row], proposed[row]))
+                if proposed[row] > 0:  # a round that proposed nothing (budget reached) has nothing to calibrate
+                    self.confidence_records.append(
+                        (conf[row, : proposed[row]].astype(np.float64), accepted[row], proposed[row])
+                    )
 
     def _grow(self, size: int) -> None:
         pad = size - self.max_positions
