@@ -5,7 +5,10 @@ get gradients; the lm_head is frozen) on the full shapes: median time (triton.te
 memory above the inputs. Accuracy: on the first `--check_rows` rows, the variant's loss, per-row stats
 (ce, l1, soft_ce, argmax agreement) and gradients against an fp32 reference (the PyTorch path on fp32 copies
 of the inputs): max absolute difference and max difference relative to the reference's largest magnitude.
-A failing variant is reported in its row and the run goes on.
+A failing variant is reported in its row and the run goes on. A variant ending in `-masked` passes `row_mask`
+(the rows with a nonzero weight), so only those reach the vocabulary-wide math: with `--invalid_fraction 0.36`
+(the share of zero-weight rows in a SmolLM2 training batch) that row shows what skipping them buys, next to the
+same variant without it.
 
 Settings (random inputs, bf16):
   smollm2      DSpark for SmolLM2-135M: d 576, V 49,152, 16 x 512 anchors x 7 = 57,344 rows, Markov rank 256,
@@ -52,11 +55,15 @@ def parse_args(argv=None):
     p.add_argument("--check_rows", type=int, default=1024, help="rows compared against the fp32 reference")
     p.add_argument("--softcap", type=float, default=None, help="tanh soft-capping of the logits (Gemma-style)")
     p.add_argument("--rep_ms", type=int, default=200, help="do_bench measuring time per variant")
+    p.add_argument("--invalid_fraction", type=float, default=0.1,
+                   help="share of rows with zero weight (0.36 in a SmolLM2 training batch)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     for variant in args.variants:
-        if variant not in ("torch-eager", "torch-compiled") and not variant.startswith("triton"):
-            p.error(f"unknown variant {variant!r}: torch-eager, torch-compiled or triton[-MxV[xD]][-chunked]")
+        base = variant.removesuffix("-masked")
+        if base not in ("torch-eager", "torch-compiled") and not base.startswith("triton"):
+            p.error(f"unknown variant {variant!r}: torch-eager, torch-compiled or triton[-MxV[xD]][-chunked], "
+                    "each optionally with -masked")  # fmt: skip
     if args.device is None:
         import torch
 
@@ -64,7 +71,7 @@ def parse_args(argv=None):
     return args
 
 
-def make_inputs(shape, device, dtype, seed=0):
+def make_inputs(shape, device, dtype, seed=0, invalid_fraction=0.1):
     """Draft states and a nearby target (mixed argmax agreement), logits with a few nats of spread."""
     import torch
 
@@ -84,9 +91,9 @@ def make_inputs(shape, device, dtype, seed=0):
         "markov_features": rand(S, r) if shape["markov"] else None,
         "markov_weight": rand(V, r, scale=1.0 / r**0.5) if shape["markov"] else None,
     }
-    # Block slot weights (7 slots, gamma 4) with about 10% of the rows invalid, normalized like the objective.
+    # Block slot weights (7 slots, gamma 4) with a share of the rows invalid, normalized like the objective.
     w = slot_weights(7, DSparkConfig.loss_decay_gamma, device).repeat(-(-S // 7))[:S]
-    w = w * (torch.rand(S, generator=gen, device=device) > 0.1)
+    w = w * (torch.rand(S, generator=gen, device=device) > invalid_fraction)
     w = w / w.sum()
     weights = {"ce": DSparkConfig.ce_loss_alpha * w, "l1": DSparkConfig.l1_loss_alpha * w}
     if shape["terms"] == "ce":
@@ -112,9 +119,12 @@ def loss_and_grads(inputs, weights, variant, softcap):
 
     leaves = {k: inputs[k].detach().requires_grad_() for k in ("hidden", "markov_features", "markov_weight")
               if inputs[k] is not None}  # fmt: skip
-    kw = {"backend": "torch", "compile": variant == "torch-compiled"} if variant.startswith("torch") else {}
-    if variant.startswith("triton"):
+    base = variant.removesuffix("-masked")
+    kw = {"backend": "torch", "compile": base == "torch-compiled"} if base.startswith("torch") else {}
+    if base.startswith("triton"):
         kw["backend"] = "triton"
+    if variant.endswith("-masked"):
+        kw["row_mask"] = sum(weights.values()) > 0
     loss, stats = fused_head_loss(
         leaves["hidden"], inputs["lm_weight"], inputs["labels"], weights["ce"],
         target_hidden=inputs["target_hidden"],
@@ -130,7 +140,7 @@ def triton_options(variant):
     from hf_dspark.training.triton_head_loss import TileConfig
 
     tiles, grad_mode = None, "fused"
-    for token in variant.split("-")[1:]:
+    for token in variant.removesuffix("-masked").split("-")[1:]:
         if token == "chunked":
             grad_mode = "chunked"
             continue
@@ -163,16 +173,18 @@ class triton_defaults:
             self.module.DEFAULT_TILES[self.dtype], self.module.DEFAULT_GRAD_MODE = self.saved
 
 
-def differences(got, want):
-    """{quantity: (max |got - want|, that / max |want|)} for the loss, stats and gradients."""
+def differences(got, want, rows=None):
+    """{quantity: (max |got - want|, that / max |want|)} for the loss, stats and gradients; per-row stats only on
+    `rows` (bool) when given (a masked variant reports zeros for the rows it skips)."""
     import torch
 
     (loss, stats, grads), (ref_loss, ref_stats, ref_grads) = got, want
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
     pairs = {"loss": (loss, ref_loss)}
     for name in ("ce", "l1", "soft_ce"):
         a, b = getattr(stats, name), getattr(ref_stats, name)
         if a is not None and b is not None:
-            pairs[name] = (a, b)
+            pairs[name] = (pick(a), pick(b))
     for name, g in grads.items():
         pairs[f"grad_{name}"] = (g, ref_grads[name])
     out = {}
@@ -181,7 +193,7 @@ def differences(got, want):
         err = (a - b).abs().max().item()
         out[name] = {"max_abs": err, "max_rel": err / max(b.abs().max().item(), 1e-30)}
     if ref_stats.greedy_match is not None and stats.greedy_match is not None:
-        agree = (stats.greedy_match == ref_stats.greedy_match).float().mean().item()
+        agree = (pick(stats.greedy_match) == pick(ref_stats.greedy_match)).float().mean().item()
         out["greedy_match_agreement"] = {"fraction": agree}
     return out
 
@@ -206,9 +218,11 @@ def run_variant(variant, inputs, weights, reference, check, args):
     row = {"variant": variant}
     with triton_defaults(variant, inputs["hidden"].dtype):
         t0 = time.perf_counter()
-        got = loss_and_grads(*subset(inputs, weights, check), variant, args.softcap)  # also compiles
+        checked = subset(inputs, weights, check)
+        got = loss_and_grads(*checked, variant, args.softcap)  # also compiles
         row["first_call_s"] = time.perf_counter() - t0
-        row["accuracy_vs_fp32"] = differences(got, reference)
+        rows = sum(checked[1].values()) > 0 if variant.endswith("-masked") else None
+        row["accuracy_vs_fp32"] = differences(got, reference, rows)
         del got
         fn = lambda: loss_and_grads(inputs, weights, variant, args.softcap)  # noqa: E731
         if cuda:
@@ -250,7 +264,7 @@ def main(argv=None):
         shape = dict(SETTINGS[name], **(SMOKE.get(name, SMOKE_DEFAULT) if args.smoke else {}))
         setting = {"setting": name, **shape, "markov_rank": None, "rows_checked": None, "variants": []}
         try:
-            inputs, weights = make_inputs(shape, device, dtype)
+            inputs, weights = make_inputs(shape, device, dtype, invalid_fraction=args.invalid_fraction)
             if shape["markov"]:
                 setting["markov_rank"] = inputs["markov_features"].shape[1]
             check = min(args.check_rows, shape["rows"])
