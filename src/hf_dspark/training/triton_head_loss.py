@@ -149,6 +149,13 @@ def _online_update(u, start, m, s, arg):
     return m_new, s, arg
 
 
+@triton.jit
+def _split_tiles(split, tiles_per_split, V, BLOCK_V: tl.constexpr):
+    """The vocabulary tiles [first, last) of one split."""
+    first = split * tiles_per_split
+    return first, tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_V))
+
+
 @triton.jit(do_not_specialize=["tiles_per_split"])  # one build for any split count
 def _pass1_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, stats_ptr, idx_ptr, S, V, D, R, cap,
                   tiles_per_split, HAS_TARGET: tl.constexpr, HAS_MARKOV: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -168,8 +175,7 @@ def _pass1_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, stats_ptr, idx
     mt = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     st = tl.zeros((BLOCK_M,), tl.float32)
     arg_t = tl.zeros((BLOCK_M,), tl.int32)
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    first, last = _split_tiles(split, tiles_per_split, V, BLOCK_V)
     for tile in range(first, last):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
@@ -226,20 +232,28 @@ def _l1_sums(p, q, u, ok):
     return tl.sum(tl.abs(diff), axis=1), tl.sum(_sign(diff) * p, axis=1), tl.sum(tl.where(ok, q * u, 0.0), axis=1)
 
 
+@triton.jit
+def _store_sums(sums_ptr, split, n_split, S, rows, row_ok, l1, sign_p, qu):
+    """One split's partial sums into the [3, splits, S] buffer."""
+    plane = n_split * S
+    out = split * S + rows
+    tl.store(sums_ptr + out, l1, mask=row_ok)
+    tl.store(sums_ptr + plane + out, sign_p, mask=row_ok)
+    tl.store(sums_ptr + 2 * plane + out, qu, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["tiles_per_split"])  # one build for any split count
 def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_ptr, S, V, D, R, cap, tiles_per_split,
                   HAS_MARKOV: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """Per (row block, split): sums[0..2] = sum |p - q|, sum sign(p - q) p, sum q u. Buffer [3, splits, S]."""
     split = tl.program_id(1)
-    n_split = tl.num_programs(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < S
     l1 = tl.zeros((BLOCK_M,), tl.float32)
     sign_p = tl.zeros((BLOCK_M,), tl.float32)
     qu = tl.zeros((BLOCK_M,), tl.float32)
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    first, last = _split_tiles(split, tiles_per_split, V, BLOCK_V)
     for tile in range(first, last):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
@@ -249,11 +263,7 @@ def _pass2_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, lse_ptr, lse_t_ptr, sums_p
         l1 += tile_l1
         sign_p += tile_sign_p
         qu += tile_qu
-    plane = n_split * S
-    out = split * S + rows
-    tl.store(sums_ptr + out, l1, mask=row_ok)
-    tl.store(sums_ptr + plane + out, sign_p, mask=row_ok)
-    tl.store(sums_ptr + 2 * plane + out, qu, mask=row_ok)
+    _store_sums(sums_ptr, split, tl.num_programs(1), S, rows, row_ok, l1, sign_p, qu)
 
 
 @triton.jit(do_not_specialize=["tiles_per_split"])  # one build for any split count
@@ -281,8 +291,7 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
     l1 = tl.zeros((BLOCK_M,), tl.float32)
     sign_p_sum = tl.zeros((BLOCK_M,), tl.float32)
     qu = tl.zeros((BLOCK_M,), tl.float32)
-    first = split * tiles_per_split
-    last = tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    first, last = _split_tiles(split, tiles_per_split, V, BLOCK_V)
     for tile in range(first, last):
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
@@ -333,11 +342,7 @@ def _pass3_kernel(h_ptr, t_ptr, z_ptr, w_ptr, w2_ptr, labels_ptr, lse_ptr, lse_t
                     tl.atomic_add(grad_w2_ptr + cols64[:, None] * R + k[None, :], part,
                                   mask=col_ok[:, None] & k_ok[None, :], sem="relaxed")  # fmt: skip
     if SUMS:
-        plane = tl.num_programs(1) * S
-        out = split * S + rows
-        tl.store(sums_ptr + out, l1, mask=row_ok)
-        tl.store(sums_ptr + plane + out, sign_p_sum, mask=row_ok)
-        tl.store(sums_ptr + 2 * plane + out, qu, mask=row_ok)
+        _store_sums(sums_ptr, split, tl.num_programs(1), S, rows, row_ok, l1, sign_p_sum, qu)
 
 
 # -- host side ------------------------------------------------------------------------------------------------
