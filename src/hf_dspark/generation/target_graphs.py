@@ -164,14 +164,12 @@ class StaticTargetRunner:
         start = self.cache.length
         self.key_valid[:, start : start + keep] = False
         self.key_valid[local_rows, start : start + keep] = committed
-        self.cache.length = start + keep
-        if self.cache.length + self.width > self.capacity:
-            self._compact()
-        self.length_t.fill_(self.cache.length)
+        self.length_t.fill_(start + keep)
+        self.kept(keep)
 
     def kept(self, keep: int) -> None:
-        """The host's side of a commit made inside a graph (round_graph.py), which already advanced `length_t`:
-        the host length, and compaction when the next window would not fit."""
+        """The host length after a commit whose device side is done (by `commit`, or inside a graph in
+        round_graph.py, which advances `length_t` itself), and compaction when the next window would not fit."""
         self.cache.length += keep
         if self.cache.length + self.width > self.capacity:
             self._compact()
