@@ -34,6 +34,13 @@ def apply_logits_processors(processors, input_ids: torch.Tensor, scores: torch.T
     return scores
 
 
+def apply_position_free(processors, scores: torch.Tensor) -> torch.Tensor:
+    """Processors that read no sequence (temperature, top-k, top-p, ...) on scores [..., V] of any leading shape."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    no_ids = torch.zeros(flat.shape[0], 0, dtype=torch.long, device=flat.device)
+    return apply_logits_processors(processors, no_ids, flat.clone()).view(scores.shape)
+
+
 class TokenSampler:
     def __init__(
         self,
@@ -87,4 +94,4 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-__all__ = ["TokenSampler", "sample_from", "apply_logits_processors"]
+__all__ = ["TokenSampler", "sample_from", "apply_logits_processors", "apply_position_free"]

@@ -83,4 +83,19 @@ def verify_block(
     return VerifyResult(num_accepted, next_tokens)
 
 
-__all__ = ["VerifyResult", "verify_block"]
+def block_tokens(window: torch.LongTensor, result: VerifyResult) -> torch.LongTensor:
+    """[R, n+1]: the token after each window position [anchor, x_1..x_n]: x_{j+1} while accepted, then the
+    correction or bonus token (columns after it keep unaccepted drafts, which no caller reads)."""
+    shifted = torch.cat([window[:, 1:], window[:, :1]], dim=1)
+    return shifted.scatter(1, result.num_accepted[:, None], result.next_tokens[:, None])
+
+
+def cut_at_stop(tokens: torch.LongTensor, counts: torch.LongTensor, stop_ids: torch.LongTensor):
+    """(counts cut just after the first stop token among each row's first `counts` tokens, rows that stopped)."""
+    slot = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+    is_stop = torch.isin(tokens, stop_ids) & (slot < counts[:, None])
+    hit = is_stop.any(dim=-1)
+    return torch.where(hit, torch.minimum(counts, is_stop.long().argmax(dim=-1) + 1), counts), hit
+
+
+__all__ = ["VerifyResult", "block_tokens", "cut_at_stop", "verify_block"]

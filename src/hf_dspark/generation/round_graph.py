@@ -27,10 +27,10 @@ import weakref
 
 import torch
 
-from ..sampling import apply_logits_processors
+from ..sampling import apply_position_free
 from .cuda_graphs import capture as capture_graph, kept_runner
 from .draft_graphs import StaticDraftRunner, processors_signature
-from .rejection import verify_block
+from .rejection import block_tokens, cut_at_stop, verify_block
 
 logger = logging.getLogger(__name__)
 
@@ -132,22 +132,14 @@ class FusedRoundRunner:
         logits, features = target._forward()
         scores = logits.float()
         if len(self.processors):
-            flat = scores.reshape(-1, scores.shape[-1])
-            dummy = torch.zeros(flat.shape[0], 0, dtype=torch.long, device=flat.device)
-            scores = apply_logits_processors(self.processors, dummy, flat.clone()).view_as(scores)
+            scores = apply_position_free(self.processors, scores)
         result = verify_block(scores, drafts, proposal.probs, caps, self.do_sample)
         accepted = result.num_accepted
-        # new_tokens[:, j] = the token after window position j: x_{j+1} while accepted, then the new token.
-        new_tokens = torch.cat([window[:, 1:], window[:, :1]], dim=1).scatter(
-            1, accepted[:, None], result.next_tokens[:, None]
-        )
+        new_tokens = block_tokens(window, result)
         counts = accepted + 1
         finished = torch.zeros_like(running)
         if self.eos is not None:
-            is_eos = torch.isin(new_tokens, self.eos) & (slot[None, :] < counts[:, None])
-            hit = is_eos.any(dim=-1)
-            counts = torch.where(hit, torch.minimum(counts, is_eos.long().argmax(dim=-1) + 1), counts)
-            finished |= hit
+            counts, finished = cut_at_stop(new_tokens, counts, self.eos)
         counts = counts * running
         # Every column is written; those past a row's count lie beyond its length, where nothing reads them.
         columns = self.prompt_length + self.lengths[:, None] + slot

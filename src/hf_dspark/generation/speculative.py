@@ -74,12 +74,12 @@ from transformers import DynamicCache
 from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from ..sampling import TokenSampler, apply_logits_processors
+from ..sampling import TokenSampler, apply_logits_processors, apply_position_free
 from ..target import TargetFeatureHooks
 from .draft_graphs import graphs_supported, static_draft_runner
 from .round_graph import fused_round_runner
 from .target_graphs import static_target_runner, static_target_unsupported
-from .rejection import verify_block
+from .rejection import block_tokens, cut_at_stop, verify_block
 from .scheduler import (
     SCHEDULES,
     SPSTable,
@@ -490,9 +490,7 @@ class _Decoder:
             return logits
         rows_n, width, vocab = logits.shape
         if self.position_free:
-            flat = logits.reshape(rows_n * width, vocab)
-            dummy = torch.zeros(flat.shape[0], 0, dtype=torch.long, device=flat.device)
-            return apply_logits_processors(self.logits_processor, dummy, flat.clone()).view(rows_n, width, vocab)
+            return apply_position_free(self.logits_processor, logits)
         # Processors may keep per-row state (e.g. the repetition penalty's prompt padding per row): call them on
         # the whole original batch, in its order; only the rows of the current length group are read back.
         out = torch.empty_like(logits)
@@ -533,10 +531,7 @@ class _Decoder:
         slot = torch.arange(width, device=device)[None, :]
         finished = torch.zeros(n_rows, dtype=torch.bool, device=device)
         if self.eos_ids is not None:
-            is_eos = torch.isin(new_tokens, self.eos_ids.to(device)) & (slot < counts[:, None])
-            first = torch.where(is_eos.any(-1), is_eos.long().argmax(-1) + 1, counts)
-            finished |= is_eos.any(-1)
-            counts = torch.minimum(counts, first)
+            counts, finished = cut_at_stop(new_tokens, counts, self.eos_ids.to(device))
         # Every column is written: those past a row's count lie beyond its length, where nothing reads them
         # before they are overwritten (and output() pads them).
         cols = self.prompt_length + self.lengths_t[rows][:, None] + slot
@@ -804,9 +799,7 @@ class _Decoder:
             self.do_sample,
         )
         accepted = result.num_accepted
-        # new_tokens[:, j] = the token after window position j: x_{j+1} while accepted, then the new token.
-        new_tokens = torch.cat([window[:, 1:], window[:, :1]], dim=1)
-        new_tokens = new_tokens.scatter(1, accepted[:, None], result.next_tokens[:, None])
+        new_tokens = block_tokens(window, result)
         confidences = None
         if proposal is not None and proposal.confidences is not None:
             # Queued before the commit's synchronization, so it has arrived when the commit returns.
