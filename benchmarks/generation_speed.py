@@ -197,7 +197,7 @@ def special_ids(target, tokenizer) -> tuple[int, list[int]]:
     return pad_id, eos_ids
 
 
-def benchmark(args, setup, progress=None) -> tuple[list[Row], dict]:
+def benchmark(args, setup, progress=None) -> list[Row]:
     """Every row; `progress(rows)` after each one (partial results survive an interrupted run)."""
     target, tokenizer, drafts, prompts = setup
     device = next(target.parameters()).device
@@ -255,7 +255,7 @@ def benchmark(args, setup, progress=None) -> tuple[list[Row], dict]:
                     greedy_agreement(row, outputs, reference, eos_ids)
                 add(row)
             add(hf_dflash_row(*common, hf_dflash, hf_dflash_note))
-    return rows, {"device": device, "dtype": str(next(target.parameters()).dtype)}
+    return rows
 
 
 def round_costs(row: Row, base: Row, stats, batch_size: int) -> None:
@@ -417,15 +417,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     setup = load_setup(args)  # (target, tokenizer, drafts, prompts), shared by the timings and the profile
-    command = " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["generation_speed.py", *argv])
-    device = next(setup[0].parameters()).device
+    weights = next(setup[0].parameters())
+    header = {
+        "command": " ".join([sys.executable, *sys.argv]) if argv is None else " ".join(["generation_speed.py", *argv]),
+        "hardware": hardware(weights.device),
+        "dtype": str(weights.dtype),
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+    }
 
     def save(rows: list[Row], complete: bool = False) -> None:
         result = {
-            "command": command,
-            "hardware": hardware(device),
-            "dtype": str(next(setup[0].parameters()).dtype),
-            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            **header,
             "complete": complete,
             "rows": [
                 {**{k: v for k, v in vars(r).items() if k != "extra"}, **r.extra, "tokens_per_second": r.tokens_per_second}
@@ -437,7 +439,7 @@ def main(argv=None) -> int:
         if not complete:
             print(table(rows).splitlines()[-1], flush=True)  # the row just measured
 
-    rows, _ = benchmark(args, setup, progress=save)
+    rows = benchmark(args, setup, progress=save)
     save(rows, complete=True)
     if args.profile:
         profile_calls(args, setup)
