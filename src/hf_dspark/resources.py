@@ -17,13 +17,11 @@ from pathlib import Path
 
 import torch
 
+from .paths import cache_root
+
 DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("HF_DSPARK_CACHE", Path.home() / ".cache" / "hf_dspark"))
 
 
 def _gguf_file() -> Path:

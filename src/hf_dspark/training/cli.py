@@ -13,6 +13,8 @@ import argparse
 import os
 from pathlib import Path
 
+from ..paths import cache_root
+
 # Trainer flags shown by the short --help (the rest: --help_all).
 COMMON_TRAINER_FLAGS = (
     "output_dir", "max_steps", "num_train_epochs", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -69,8 +71,7 @@ def _help_cache(show_all: bool) -> Path | None:
         tag += f"-{max(p.stat().st_mtime_ns for p in sources if p.exists())}"
     except (PackageNotFoundError, OSError):
         return None
-    root = Path(os.environ.get("HF_DSPARK_CACHE", Path.home() / ".cache" / "hf_dspark"))
-    return root / "help" / f"train{'-all' if show_all else ''}-{tag}.txt"
+    return cache_root() / "help" / f"train{'-all' if show_all else ''}-{tag}.txt"
 
 
 def _cached_help(argv: list[str]) -> bool:
