@@ -344,7 +344,7 @@ def hf_dflash_row(target, prompts, batch_size, temperature, args, pad_id, eos_id
 
 
 def profile_calls(args, setup) -> None:
-    """Operator tables (CPU and device time, call counts) of one generate() call of the target alone and one with
+    """Operator tables (CPU and GPU kernel time, call counts) of one generate() call of the target alone and one with
     the first draft: where a round's time goes, and how many operators it launches per committed token."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -9,7 +9,7 @@ reports, per phase, the wall time with the device synchronized at the phase boun
     backward  autograd through the draft
     optimizer clip + optimizer step + zero_grad
 then the end-to-end step time of `trainer.train()` itself over the same number of steps (Trainer overhead included),
-and a kernel table from torch.profiler (device time by kernel family, plus device idle = host gaps).
+and a kernel table from torch.profiler (GPU kernel time by kernel family, plus GPU idle = host gaps).
 
     python benchmarks/profile_training.py --target PATH --data answers.jsonl.gz --output profile.json
     python benchmarks/profile_training.py --device cpu --smoke        # tiny random target (checks the code path)
@@ -189,7 +189,7 @@ def trainer_steps(trainer, steps: int, warmup: int, cuda: bool) -> tuple[list[fl
 
 
 def kernel_table(trainer, steps: int, cuda: bool) -> tuple[list[dict], dict]:
-    """Device time by kernel family over `steps` Trainer steps, and the device-busy fraction."""
+    """GPU kernel time by kernel family over `steps` Trainer steps, and the device-busy fraction."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -104,7 +104,7 @@ def synthetic_batch(config, seq_len, device, dtype):
 
 
 def profile_steps(step, first: int, path: str, cuda: bool) -> None:
-    """Where a step's time goes: torch.profiler over 2 steps, operators sorted by device time."""
+    """Where a step's time goes: torch.profiler over 2 steps, operators sorted by GPU kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -268,7 +268,7 @@ class DraftTrainer(Trainer):
     def _mixed_precision(self):
         """The forward's autocast for the loss too. Accelerate autocasts only inside model.forward, and the loss
         runs after it: without this, its vocabulary-wide matmuls ran in float32 (the master weights' dtype), which
-        profiled at ~60% of a bf16 step's device time."""
+        profiled at ~60% of a bf16 step's GPU kernel time."""
         dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
         if dtype is None:
             return contextlib.nullcontext()
