@@ -542,11 +542,7 @@ class _Decoder:
         if len(self.other_criteria):
             counts_h, finished_h = self._apply_criteria(rows, row_ids, counts_h, finished_h, scores)
             self.lengths_t[rows] += torch.tensor(counts_h, device=device) - counts  # cut at the criteria's stops
-        for i, r in enumerate(row_ids):
-            self.lengths[r] += counts_h[i]
-            if self.lengths[r] >= self.budget:
-                finished_h[i] = True
-        self.stats.new_tokens += sum(counts_h)
+        finished_h = self._count_committed(row_ids, counts_h, finished_h)
         if self.want_scores or self.want_logits:
             for i, r in enumerate(row_ids):
                 if self.want_scores:
@@ -556,6 +552,16 @@ class _Decoder:
         if self.streamer is not None:
             self.streamer.put(new_tokens[:1, : counts_h[0]].cpu())
         return counts_h, finished_h, host[2:]
+
+    def _count_committed(self, row_ids: list[int], counts: list[int], finished: list[bool]) -> list[bool]:
+        """The host's lengths after a commit; a row that reached the token budget is finished too."""
+        finished = list(finished)
+        for i, r in enumerate(row_ids):
+            self.lengths[r] += counts[i]
+            if self.lengths[r] >= self.budget:
+                finished[i] = True
+        self.stats.new_tokens += sum(counts)
+        return finished
 
     def _apply_criteria(self, rows, row_ids, counts, finished, scores):
         """Evaluate the non-EOS stopping criteria on every committed prefix; cut each row at its first stop.
@@ -691,16 +697,11 @@ class _Decoder:
                 if changed:
                     fused.set_lengths([running[k] for k in changed], [before[running[k]] + cut[k] for k in changed])
                 counts = cut
-            stop = []
-            for k, i in enumerate(running):
-                self.lengths[row_ids[i]] += counts[k]
-                if self.lengths[row_ids[i]] >= self.budget:
-                    done[k] = True
-                if done[k] and not finished_h[i]:
-                    stop.append(i)  # stopped by the host (a criterion), not by the graph (EOS, budget)
+            done = self._count_committed([row_ids[i] for i in running], counts, done)
+            # Rows the host stopped (a criterion), not the graph (EOS, budget), must stop committing there too.
+            stop = [i for k, i in enumerate(running) if done[k] and not finished_h[i]]
             if stop:
                 fused.stop_rows(stop)
-            self.stats.new_tokens += sum(counts)
             self.stats.acceptance.add_round(
                 [verify_h[i] for i in running], [accepted_h[i] for i in running],
                 None if confidences is None else confidences[running], committed=counts,
