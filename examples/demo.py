@@ -155,25 +155,19 @@ def main():
     totals = {"target_s": 0.0, "draft_s": 0.0, "tokens": 0, "identical": 0}
     stats = None
     for i, enc in enumerate(encoded):
-        _sync(cuda)
-        t0 = time.perf_counter()
-        alone = target.generate(**enc, **settings)
-        _sync(cuda)
-        t1 = time.perf_counter()
-        assisted = target.generate(**enc, assistant_model=draft, **settings)
-        _sync(cuda)
-        t2 = time.perf_counter()
+        alone, alone_s = timed_generate(target, enc, **settings)
+        assisted, assisted_s = timed_generate(target, enc, assistant_model=draft, **settings)
         same = torch.equal(alone, assisted)
         if exact and not same:  # float32: greedy speculative decoding must reproduce the target exactly
             raise AssertionError("speculative greedy output differs from the target's own greedy output")
         totals["identical"] += int(same)
-        totals["target_s"] += t1 - t0
-        totals["draft_s"] += t2 - t1
+        totals["target_s"] += alone_s
+        totals["draft_s"] += assisted_s
         totals["tokens"] += alone.shape[1] - enc["input_ids"].shape[1]
         call = draft.last_generation_stats
         stats = call if stats is None else stats.merge(call)
         if i == 0:
-            estimate = (t2 - t0) * (len(encoded) - 1)
+            estimate = (alone_s + assisted_s) * (len(encoded) - 1)
             step(f"generating {len(encoded)} held-out prompts x {max_new_tokens} tokens, with and without the "
                  f"draft: about {estimate:.0f} s more")  # fmt: skip
 
@@ -236,9 +230,16 @@ def main():
     print(f"results: {out / 'demo_results.json'}; hf_dspark {hf_dspark.__version__}")
 
 
-def _sync(cuda: bool) -> None:
+def timed_generate(target, enc, **kwargs):
+    """(output, seconds) of one generate() call, the GPU's work included."""
+    cuda = next(target.parameters()).is_cuda
     if cuda:
         torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = target.generate(**enc, **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
 
 
 def static_target_speed(target, encoded, settings) -> float | None:
@@ -247,11 +248,8 @@ def static_target_speed(target, encoded, settings) -> float | None:
         target.generate(**encoded[0], cache_implementation="static", **settings)  # warm-up: compilation
         tokens, seconds = 0, 0.0
         for enc in encoded:
-            _sync(True)
-            start = time.perf_counter()
-            out = target.generate(**enc, cache_implementation="static", **settings)
-            _sync(True)
-            seconds += time.perf_counter() - start
+            out, took = timed_generate(target, enc, cache_implementation="static", **settings)
+            seconds += took
             tokens += out.shape[1] - enc["input_ids"].shape[1]
         return tokens / seconds
     except Exception as err:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
