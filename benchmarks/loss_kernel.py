@@ -176,8 +176,6 @@ class triton_defaults:
 def differences(got, want, rows=None):
     """{quantity: (max |got - want|, that / max |want|)} for the loss, stats and gradients; per-row stats only on
     `rows` (bool) when given (a masked variant reports zeros for the rows it skips)."""
-    import torch
-
     (loss, stats, grads), (ref_loss, ref_stats, ref_grads) = got, want
     pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
     pairs = {"loss": (loss, ref_loss)}

@@ -4,7 +4,11 @@ calls: what the draft, verification and whole-round runners share (`draft_graphs
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
@@ -25,6 +29,17 @@ def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
     return graph, outputs
 
 
+def captured_or_warned(what: str, capture_fn) -> bool:
+    """Run `capture_fn` (it captures and stores a runner's graphs); on any failure log that `what` runs without
+    CUDA graphs and return False: the runner then runs the same function eagerly."""
+    try:
+        capture_fn()
+        return True
+    except Exception as err:  # noqa: BLE001 - whatever capture refuses, the eager path computes the same function
+        logger.warning("%s without CUDA graphs (capture failed: %s: %s)", what, type(err).__name__, err)
+        return False
+
+
 # Cache capacities are rounded up to this, so calls with nearby lengths share one runner.
 CAPACITY_STEP = 256
 
@@ -43,4 +58,4 @@ def kept_runner(registry, owner, key, capacity: int, capacity_of, build):
     return runner
 
 
-__all__ = ["CAPACITY_STEP", "capture", "kept_runner"]
+__all__ = ["CAPACITY_STEP", "capture", "captured_or_warned", "kept_runner"]

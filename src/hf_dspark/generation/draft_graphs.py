@@ -21,15 +21,12 @@ one function. Graphs need position-free logits processors (the draft reads no se
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 
 from ..models.modeling_draft import DraftProposal
-from .cuda_graphs import capture, kept_runner
-
-logger = logging.getLogger(__name__)
+from .cuda_graphs import capture, captured_or_warned, kept_runner
 
 
 class StaticDraftRunner:
@@ -59,13 +56,9 @@ class StaticDraftRunner:
     def ready(self) -> bool:
         """After the prefill (Eagle3's propose reads state the prefill creates): capture once if asked; whether the
         rounds replay graphs."""
-        if self.capture and self._propose_graph is None:
-            try:
-                self._capture()
-            except Exception as err:  # noqa: BLE001 - whatever capture refuses, the eager static path is exact
-                logger.warning("drafting without CUDA graphs (capture failed: %s: %s)", type(err).__name__, err)
-                self._propose_graph = self._extend_graph = None
-                self.capture = False
+        if self.capture and self._propose_graph is None and not captured_or_warned("drafting", self._capture):
+            self._propose_graph = self._extend_graph = None
+            self.capture = False
         return self.captured
 
     @property

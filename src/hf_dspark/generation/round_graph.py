@@ -22,17 +22,14 @@ blocks (schedule "none") and no per-step scores or logits in the output.
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 
 from ..sampling import apply_position_free
-from .cuda_graphs import capture as capture_graph, kept_runner
+from .cuda_graphs import capture as capture_graph, captured_or_warned, kept_runner
 from .draft_graphs import StaticDraftRunner, processors_signature
 from .rejection import block_tokens, cut_at_stop, verify_block
-
-logger = logging.getLogger(__name__)
 
 
 class FusedRoundRunner:
@@ -64,8 +61,7 @@ class FusedRoundRunner:
 
     def reset(self) -> None:
         """Before the draft's prefill: an empty context cache."""
-        self.dcache.lengths.zero_()
-        self.dcache.bound = 0
+        self.draft_runner.reset()
 
     def start(self, tokens: torch.Tensor, prompt_length: int, budget: int, lengths: torch.Tensor,
               real: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
@@ -79,14 +75,13 @@ class FusedRoundRunner:
         self.real.copy_(real)
         self.running.copy_(running)
         if self.capture and self._graph is None:
-            try:
-                self._graph, _ = capture_graph(self._round, before_warmup=self._idle)
-            except Exception as err:  # noqa: BLE001 - whatever capture refuses, the eager round is exact
-                logger.warning("rounds without a CUDA graph (capture failed: %s: %s)", type(err).__name__, err)
+            if not captured_or_warned("rounds", self._capture):
                 self._graph, self.capture = None, False
-            finally:
-                self.running.copy_(running)  # the warm-up ran with every row idle
+            self.running.copy_(running)  # the warm-up ran with every row idle
         return self.tokens[:, :width]
+
+    def _capture(self) -> None:
+        self._graph, _ = capture_graph(self._round, before_warmup=self._idle)
 
     def _idle(self) -> None:
         """Warm-up state: no row runs, so a round commits nothing and writes only past every row's length."""

@@ -24,14 +24,11 @@ sliding-window layers.
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
 
-from .cuda_graphs import capture, kept_runner
-
-logger = logging.getLogger(__name__)
+from .cuda_graphs import capture, captured_or_warned, kept_runner
 
 
 class StaticVerifyCache:
@@ -106,12 +103,8 @@ class StaticTargetRunner:
         self.cache.length = prompt
         self.length_t.fill_(prompt)
         self.hooks = hooks  # read by eager forwards (and the capture); a replay needs none
-        if self.capture and self._graph is None:
-            try:
-                self._capture()
-            except Exception as err:  # noqa: BLE001 - whatever capture refuses, the eager static path is exact
-                logger.warning("verifying without CUDA graphs (capture failed: %s: %s)", type(err).__name__, err)
-                self._graph, self.capture = None, False
+        if self.capture and self._graph is None and not captured_or_warned("verifying", self._capture):
+            self._graph, self.capture = None, False
 
     @property
     def captured(self) -> bool:
