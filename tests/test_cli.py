@@ -99,18 +99,23 @@ def test_parsing_loads_no_stage_code(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
-def test_help_and_argument_errors_load_no_torch():
-    """Started as `hf-dspark`, --help and a bad argument exit before torch is imported."""
+def _run_as_command(argv: list[str], env=None):
+    """`hf-dspark ARGV` in a fresh interpreter; its stdout ends with whether torch was loaded by exit."""
     import subprocess
     import sys
 
+    script = (
+        f"import atexit, sys\nsys.argv = ['hf-dspark', *{argv!r}]\n"
+        "atexit.register(lambda: print('torch loaded' if 'torch' in sys.modules else 'no torch'))\n"
+        "from hf_dspark.cli import main\nsys.exit(main())\n"
+    )
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_help_and_argument_errors_load_no_torch():
+    """Started as `hf-dspark`, --help and a bad argument exit before torch is imported."""
     for argv, code in ((["--help"], 0), (["eval", "--help"], 0), (["eval", "--nope"], 2)):
-        script = (
-            f"import atexit, sys\nsys.argv = ['hf-dspark', *{argv!r}]\n"
-            "atexit.register(lambda: print('torch loaded' if 'torch' in sys.modules else 'no torch'))\n"
-            "from hf_dspark.cli import main\nsys.exit(main())\n"
-        )
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        out = _run_as_command(argv)
         assert out.returncode == code, out.stderr[-2000:]
         assert out.stdout.strip().endswith("no torch"), (argv, out.stdout[-500:])
 
@@ -118,17 +123,9 @@ def test_help_and_argument_errors_load_no_torch():
 def test_train_help_is_rendered_once_then_printed_without_torch(tmp_path):
     """`train --help` needs TrainingArguments (torch) to render; later calls print the cached text."""
     import os
-    import subprocess
-    import sys
 
     env = {**os.environ, "HF_DSPARK_CACHE": str(tmp_path)}
-    script = (
-        "import atexit, sys\nsys.argv = ['hf-dspark', 'train', '--help']\n"
-        "atexit.register(lambda: print('torch loaded' if 'torch' in sys.modules else 'no torch'))\n"
-        "from hf_dspark.cli import main\nsys.exit(main())\n"
-    )
-    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-            for _ in range(2)]  # fmt: skip
+    runs = [_run_as_command(["train", "--help"], env=env) for _ in range(2)]
     for out in runs:
         assert out.returncode == 0, out.stderr[-2000:]
         assert "usage: hf-dspark train" in out.stdout and "--max_train_minutes" in out.stdout
