@@ -13,6 +13,17 @@ from hf_dspark.models.modeling_draft import DraftProposal
 DRAFTERS = {"dspark": DSparkModel, "dflash": DFlashModel, "eagle3": Eagle3Model}
 
 
+# generate() options of each decoding path the tests run: the dynamic one; the static draft (CUDA graphs on GPU,
+# eager here); the static draft with the static verification cache (cache_implementation="static",
+# target_graphs.py); whole rounds as one graph (round_graph.py).
+PATHS = {
+    "dynamic": {"dspark_draft_graphs": False},
+    "static": {"dspark_draft_graphs": True},
+    "static-target": {"dspark_draft_graphs": True, "cache_implementation": "static"},
+    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True},
+}
+
+
 def make_draft(name: str, target, block_size: int = 4, seed: int = 1, **overrides):
     """A randomly initialised draft of drafter `name` for `target` (one layer, small block)."""
     torch.manual_seed(seed)

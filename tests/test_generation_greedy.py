@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import make_tiny_target
-from generation_utils import OracleProposer, left_padded, make_draft
+from generation_utils import PATHS, OracleProposer, left_padded, make_draft
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -14,16 +14,6 @@ PROMPTS = [[5, 6, 7, 8], [3, 4, 5, 6, 7, 9], [11, 12]]
 
 def _batch():
     return left_padded(PROMPTS)
-
-
-# Decoding paths: the dynamic one; the static draft (CUDA graphs on GPU, eager here); and the static draft with
-# the static verification cache (cache_implementation="static", target_graphs.py).
-PATHS = {
-    "dynamic": {"dspark_draft_graphs": False},
-    "static": {"dspark_draft_graphs": True},
-    "static-target": {"dspark_draft_graphs": True, "cache_implementation": "static"},
-    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True},
-}
 
 
 def _target(family: str, attention: str):

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 from conftest import make_tiny_target
-from generation_utils import chi_square_test, continuation_distribution, make_draft, processors
+from generation_utils import PATHS, chi_square_test, continuation_distribution, make_draft, processors
 
 import hf_dspark.generation.speculative as speculative
 from hf_dspark.generation.rejection import VerifyResult, verify_block
@@ -64,15 +64,6 @@ def _draft(name, target):
             draft.confidence_head.proj.weight.mul_(40.0)
             draft.markov_head.markov_w2.weight.normal_(0, 0.5)  # a live Markov head: q_k depends on x_{k-1}
     return draft
-
-
-# The dynamic path, the static draft (CUDA graphs on GPU, eager here) and the static verification cache.
-PATHS = {
-    "dynamic": {"dspark_draft_graphs": False},
-    "static": {"dspark_draft_graphs": True},
-    "static-target": {"dspark_draft_graphs": True, "cache_implementation": "static"},
-    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True},
-}
 
 
 def test_the_statistic_accepts_plain_target_sampling(target):
