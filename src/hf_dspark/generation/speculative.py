@@ -441,13 +441,12 @@ class _Decoder:
         # Whole rounds as one graph (round_graph.py).
         self.fused = bool(config.fused_round)
         if self.fused:
-            why_not = (
-                "the static verification path is not in use (dspark_target_graphs / cache_implementation)"
-                if not static_target else why_not or (
-                    "it verifies whole blocks only (dspark_schedule='none')" if config.schedule != "none" else
-                    "output_scores / output_logits need each step's scores" if self.want_scores or self.want_logits
-                    else None)
-            )  # fmt: skip
+            if not static_target:
+                why_not = "the static verification path is not in use (dspark_target_graphs / cache_implementation)"
+            elif not why_not and config.schedule != "none":
+                why_not = "it verifies whole blocks only (dspark_schedule='none')"
+            elif not why_not and (self.want_scores or self.want_logits):
+                why_not = "output_scores / output_logits need each step's scores"
             if why_not:
                 raise ValueError(f"dspark_fused_round=True cannot be used here: {why_not}")
             self.static_draft = True
