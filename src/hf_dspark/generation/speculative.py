@@ -609,12 +609,13 @@ class _Decoder:
             first = self._select(scores[:, 0])
             # Room for every committed token plus one round's unread tail (static runs write whole rounds).
             capacity = prompt.shape[1] + self.budget + 2 * (self.num_tokens + 1)
-            fused = target_runner = None
-            if self.fused:
+            fused = runner = target_runner = None
+            if self.static_target:  # (a fused round captures the verify forward inside its own graph)
                 target_runner = static_target_runner(
                     model, self.cache_kwarg, cache, rows=len(row_ids), width=self.num_tokens + 1, capacity=capacity,
-                    mask_kind=self.mask_4d, capture=False,
+                    mask_kind=self.mask_4d, capture=device.type == "cuda" and not self.fused,
                 )
+            if self.fused:
                 fused = fused_round_runner(
                     draft, target_runner, self.sampler, self.logits_processor, self.do_sample,
                     tuple(self.eos_ids.tolist()) if self.eos_ids is not None else (), self.num_tokens, capacity,
@@ -636,21 +637,15 @@ class _Decoder:
             following = torch.cat([prompt[:, 1:], first[:, None]], dim=1)  # the token after each position
             draft.extend_context(dcache, features, valid=valid, next_token_ids=following)
             del out
-            if fused is not None:
-                self._run_fused(fused, target_runner, cache, hooks, rows_t, row_ids, mask, scores, raw, first, t0)
-                return
-            if not self.static_draft:
-                runner = None
-            else:
-                self.stats.draft_graphs = runner.ready()
-            if self.static_target:
-                target_runner = static_target_runner(
-                    model, self.cache_kwarg, cache, rows=len(row_ids), width=self.num_tokens + 1, capacity=capacity,
-                    mask_kind=self.mask_4d, capture=device.type == "cuda",
-                )
+            if target_runner is not None:
                 target_runner.load(cache, mask, hooks)
                 self.stats.target_graphs = target_runner.captured
                 cache.crop(0)  # the prompt's keys and values now live in the runner's buffers
+            if fused is not None:
+                self._run_fused(fused, rows_t, row_ids, mask, scores, raw, first, t0)
+                return
+            if runner is not None:
+                self.stats.draft_graphs = runner.ready()
             local_t = torch.arange(len(row_ids), device=device)  # each running row's slot in this run
             counts, finished, _ = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
             self.stats.prefill_time += time.perf_counter() - t0
@@ -672,10 +667,8 @@ class _Decoder:
                     cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t, target_runner
                 )
 
-    def _run_fused(self, fused, target_runner, cache, hooks, rows_t, row_ids, mask, scores, raw, first, t0) -> None:
+    def _run_fused(self, fused, rows_t, row_ids, mask, scores, raw, first, t0) -> None:
         """The rest of a call on the fused path: every round one graph replay and one host read."""
-        target_runner.load(cache, mask, hooks)
-        cache.crop(0)  # the prompt's keys and values now live in the runner's buffers
         counts, finished, _ = self._commit(rows_t, row_ids, first[:, None], torch.ones_like(first), scores, raw)
         self.buffer = fused.start(self.buffer, self.prompt_length, self.budget, self.lengths_t, mask.sum(-1),
                                   ~torch.tensor(finished, device=mask.device))  # fmt: skip
@@ -705,7 +698,7 @@ class _Decoder:
                 [verify_h[i] for i in running], [accepted_h[i] for i in running],
                 None if confidences is None else confidences[running], committed=counts,
             )  # fmt: skip
-            target_runner.kept(keep_h[0])
+            fused.target_runner.kept(keep_h[0])
             if self.streamer is not None and running[0] == 0 and counts[0]:
                 base = self.prompt_length + before[0]
                 self.streamer.put(self.buffer[:1, base : base + counts[0]].cpu())
