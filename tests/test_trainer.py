@@ -320,9 +320,8 @@ def test_time_budget_fits_the_schedule_so_it_ends_annealed(tmp_path):
     assert summary["train_steps_per_second"] == pytest.approx(trainer.state.global_step / summary["train_runtime"], rel=0.01)
 
 
-def test_the_plan_uses_typical_step_times_not_compilation_pauses():
-    """A 10-minute budget whose first step compiles for 60 s and whose 9th step recompiles for 10 s: the first plan
-    already holds the steps the remaining time allows at the typical 0.15 s, not the ~1/3 a mean rate would give."""
+def _simulated_deadline(minutes):
+    """A TrainingDeadline on a fake clock, with the Trainer state and arguments its callbacks read."""
     from types import SimpleNamespace
 
     from transformers import TrainerControl, TrainerState
@@ -330,18 +329,60 @@ def test_the_plan_uses_typical_step_times_not_compilation_pauses():
     from hf_dspark.training.trainer import TrainingDeadline
 
     now = [0.0]
-    deadline = TrainingDeadline(10.0, fit_schedule=True, clock=lambda: now[0])
+    deadline = TrainingDeadline(minutes, fit_schedule=True, clock=lambda: now[0])
     state, control = TrainerState(), TrainerControl()
     state.max_steps = 10**6
     args = SimpleNamespace(save_strategy="no", device=torch.device("cpu"))
     deadline.on_train_begin(args, state, control)
+    return deadline, now, state, control, args
+
+
+def test_the_plan_uses_typical_step_times_not_compilation_pauses():
+    """A 10-minute budget whose first step compiles for 60 s and whose 9th step recompiles for 10 s: the first plan
+    holds the steps the remaining time allows at the typical 0.15 s, the recompilation counted as only CLIP steps
+    (a mean rate with the pauses would plan ~1/3 of that)."""
+    deadline, now, state, control, args = _simulated_deadline(10.0)
     for step in range(1, 31):
         now[0] += 60.0 if step == 1 else 10.0 if step == 9 else 0.15
         state.global_step = step
         deadline.on_step_end(args, state, control)
-    expected = 30 + (600 - now[0]) / 0.15
-    assert deadline.planned_steps == pytest.approx(expected, rel=0.01)
+    timed = 30 - deadline.MARK_STEP  # durations after the mark: one 10 s pause, clipped to CLIP x 0.15
+    typical = ((timed - 1) * 0.15 + deadline.CLIP * 0.15) / timed
+    assert deadline.planned_steps == pytest.approx(30 + (600 - now[0]) / typical, rel=0.01)
     assert not control.should_training_stop
+
+
+def _run_until_stop(deadline, now, state, control, args, step_time, evaluate_every=0, evaluate_s=0.0):
+    """Steps (and evaluations) on the fake clock until the deadline stops the run: (steps, plans from step 50 on)."""
+    step, plans = 0, []
+    while not control.should_training_stop:
+        step += 1
+        now[0] += step_time(step)
+        state.global_step = step
+        deadline.on_step_end(args, state, control)
+        if step >= 50:
+            plans.append(deadline.planned_steps)
+        if evaluate_every and step % evaluate_every == 0 and not control.should_training_stop:
+            now[0] += evaluate_s
+            deadline.on_evaluate(args, state, control)
+    return step, plans
+
+
+@pytest.mark.parametrize("evaluate_every", [0, 100])
+def test_the_plan_holds_what_the_budget_holds_with_unequal_steps_and_evaluations(evaluate_every):
+    """Batches grouped by length make steps of 0.1-0.5 s (median 0.1, mean 0.2), and evaluations may pause the run:
+    every plan from step 50 on is already close to the steps the run will do (a median-only plan is twice too
+    long: the schedule's shape then shifts as it is corrected, or the clock cuts it before the rate has decayed)."""
+    deadline, now, state, control, args = _simulated_deadline(5.0)
+    lengths = (0.1, 0.1, 0.1, 0.5)
+    steps, plans = _run_until_stop(deadline, now, state, control, args, lambda s: lengths[s % 4], evaluate_every, 5.0)
+    per_step = 0.2 + (5.0 / evaluate_every if evaluate_every else 0.0)
+    assert steps == pytest.approx(300 / per_step, rel=0.05)
+    assert deadline.planned_steps == pytest.approx(steps, rel=0.03)  # the schedule, not the clock, ended it
+    assert now[0] == pytest.approx(300, rel=0.03)
+    # Before the first evaluation its cost is unknown: the plans may then be long by the evaluations still to come.
+    tolerance = 0.06 + (5.0 / evaluate_every / 0.2 if evaluate_every else 0.0)
+    assert all(abs(plan - steps) <= tolerance * steps for plan in plans), (min(plans), max(plans), steps)
 
 
 def test_time_budget_warns_when_max_steps_caps_the_plan(tmp_path, caplog):
