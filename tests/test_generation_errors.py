@@ -220,11 +220,16 @@ def test_auto_target_graphs_on_cuda_only_where_the_static_path_fits():
         weight = SimpleNamespace(device=torch.device(device))
         return SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn), parameters=lambda: iter([weight]))
 
-    use = lambda m, cfg=SpeculativeConfig(), sliding=False: _use_static_target(m, cfg, sliding, False)  # noqa: E731
+    def use(m, cfg=SpeculativeConfig(), sliding=False):
+        return _use_static_target(m, cfg, sliding, False, rows=2, width=8)
+
     assert use(model()) and use(model("eager"))
     assert not use(model(device="cpu"))
     assert not use(model("flex_attention")) and not use(model(), sliding=True)
-    assert not use(model(), SpeculativeConfig(schedule="prefix"))  # schedules keep their verification savings
+    # "prefix" takes it where the cost table is flat (whole blocks there), else keeps its verification savings.
+    assert use(model(), SpeculativeConfig(schedule="prefix", sps_table={2: 100.0, 16: 95.0}))
+    assert not use(model(), SpeculativeConfig(schedule="prefix", sps_table={2: 100.0, 16: 20.0}))
+    assert not use(model(), SpeculativeConfig(schedule="threshold"))
     assert not use(model(), SpeculativeConfig(target_graphs=False))
 
 
@@ -242,3 +247,6 @@ def test_fused_round_needs_the_static_path_whole_blocks_and_no_per_step_scores(t
         _generate(target, draft, repetition_penalty=1.3, **static)
     out = _generate(target, draft, return_dict_in_generate=True, **static)
     assert out.speculative_stats.fused_round and torch.equal(out.sequences, _generate(target, draft))
+    # "prefix" verifies whole blocks on the static path, so it can run fused.
+    out = _generate(target, draft, dspark_schedule="prefix", dspark_sps_table={1: 100.0, 64: 3.0}, **static)
+    assert torch.equal(out, _generate(target, draft))

@@ -184,3 +184,45 @@ def test_generate_profiles_the_target_when_no_table_is_given(tmp_path, monkeypat
     )
     assert torch.equal(out, expected)
     assert list((tmp_path / "sps").glob("*rows2*.json"))
+
+
+def test_a_flat_cost_table_is_told_from_a_steep_one():
+    """Whole blocks suit the static path where a block per row costs about one token per row."""
+    flat = SPSTable([2, 16], [100.0, 90.0])  # 8 tokens per row cost 1.11 one-token steps
+    steep = SPSTable([2, 16], [100.0, 25.0])  # compute-bound: 4x
+    assert scheduler.verify_cost_is_flat(flat, rows=2, width=8)
+    assert not scheduler.verify_cost_is_flat(steep, rows=2, width=8)
+    assert not scheduler.verify_cost_is_flat(flat, rows=2, width=8, ratio=1.05)
+
+
+@pytest.mark.parametrize("table, static", [({2: 100.0, 16: 95.0}, True), ({2: 100.0, 16: 20.0}, False)])
+def test_auto_takes_the_static_path_for_prefix_only_where_the_cost_is_flat(table, static):
+    from hf_dspark.generation.speculative import SpeculativeConfig, _static_suits_schedule
+
+    target = make_tiny_target("llama")
+    config = SpeculativeConfig(schedule="prefix", sps_table=table)
+    assert _static_suits_schedule(target, config, rows=2, width=8) is static
+    assert _static_suits_schedule(target, SpeculativeConfig(schedule="none"), rows=2, width=8)
+    assert not _static_suits_schedule(target, SpeculativeConfig(schedule="threshold"), rows=2, width=8)
+
+
+def test_prefix_on_the_static_path_verifies_whole_blocks():
+    """The static verify forward costs the same for any prefix: "prefix" there verifies what "none" does (same
+    output, same verified tokens), while on the dynamic cache a steep table makes it verify less."""
+    target = make_tiny_target("llama")
+    draft = make_draft("dspark", target)
+    ids, mask = left_padded([[5, 6, 7], [8, 9]])
+    steep = {1: 100.0, 2: 50.0, 64: 100.0 / 32}
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft, dspark_sps_table=steep)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    verified = {}
+    for name, extra in {
+        "none/static": {"dspark_schedule": "none", "dspark_target_graphs": True},
+        "prefix/static": {"dspark_schedule": "prefix", "dspark_target_graphs": True},
+        "prefix/dynamic": {"dspark_schedule": "prefix", "dspark_target_graphs": False},
+    }.items():
+        out = target.generate(ids, **kw, **extra)
+        assert torch.equal(out, expected), name
+        verified[name] = draft.last_generation_stats.verified_tokens
+    assert verified["prefix/static"] == verified["none/static"]
+    assert verified["prefix/dynamic"] < verified["none/static"]

@@ -124,6 +124,18 @@ class SPSTable:
         return cls.from_any(json.loads(path.read_text()))
 
 
+# A forward over a whole block per row costing at most this many one-token forwards counts as flat (see below).
+FLAT_VERIFY_COST = 1.25
+
+
+def verify_cost_is_flat(sps: Callable, rows: int, width: int, ratio: float = FLAT_VERIFY_COST) -> bool:
+    """Whether the target's forward over `width` tokens per row costs at most `ratio` forwards of one token per
+    row (launch- or memory-bound, e.g. a small target or a small batch). Algorithm 1 then admits (nearly) every
+    slot, and verifying whole blocks on fixed shapes (the static path: CUDA graphs, no per-round host sync) is the
+    same choice made cheaper; a steeper table is where shorter prefixes save compute."""
+    return float(sps(rows)) / float(sps(rows * width)) <= ratio
+
+
 # -- schedules ----------------------------------------------------------------------------------------------
 
 

@@ -88,6 +88,7 @@ from .scheduler import (
     load_or_profile_sps,
     prefix_schedule,
     threshold_schedule,
+    verify_cost_is_flat,
 )
 from .stats import SpeculativeStats
 
@@ -144,13 +145,16 @@ class SpeculativeConfig:
             runs the static path eagerly on CPU; False: the dynamic path). See `draft_graphs.py`.
         target_graphs (`bool` or "auto", field `dspark_target_graphs`, defaults to "auto"): verify over a
             fixed-capacity cache with the target's verify forward replayed as a CUDA graph (`target_graphs.py`).
-            "auto": on CUDA for targets with sdpa/eager attention and no sliding-window layers, with whole blocks
-            verified (schedule "none"); the path returns no cache in `return_dict_in_generate` outputs. True (or
+            "auto": on CUDA for targets with sdpa/eager attention and no sliding-window layers, with schedule
+            "none", or "prefix" where the SPS table is flat (`verify_cost_is_flat`: a whole block per row costs
+            about one token per row); the path returns no cache in `return_dict_in_generate` outputs. True (or
             generate()'s `cache_implementation="static"`): always, eagerly on CPU, an error where unsupported;
-            False: the dynamic cache.
+            False: the dynamic cache. On this path "prefix" verifies whole blocks (its cost does not depend on
+            the prefix); "threshold" keeps its cut.
         fused_round (`bool`, field `dspark_fused_round`, defaults to False): on the static path, run each whole
             round (propose, verify, accept, commit, extend) as one CUDA graph with one host read (`round_graph.py`);
-            needs position-free logits processors, schedule "none" and no output_scores / output_logits.
+            needs position-free logits processors, schedule "none" (or "prefix", whole blocks there) and no
+            output_scores / output_logits.
     """
 
     schedule: str = "none"
@@ -223,7 +227,7 @@ def check_draft_for_target(target, draft) -> None:
         )
 
 
-def _use_static_target(model, config: SpeculativeConfig, sliding: bool, forced: bool) -> bool:
+def _use_static_target(model, config: SpeculativeConfig, sliding: bool, forced: bool, rows: int, width: int) -> bool:
     """Whether this call verifies over the static cache (`SpeculativeConfig.target_graphs`)."""
     why_not = static_target_unsupported(model, sliding)
     if forced or config.target_graphs is True:
@@ -234,7 +238,19 @@ def _use_static_target(model, config: SpeculativeConfig, sliding: bool, forced: 
     if config.target_graphs is False or why_not:
         return False
     on_cuda = next(model.parameters()).device.type == "cuda"
-    return on_cuda and config.schedule == "none"
+    return on_cuda and _static_suits_schedule(model, config, rows, width)
+
+
+def _static_suits_schedule(model, config: SpeculativeConfig, rows: int, width: int) -> bool:
+    """"auto": whole blocks always suit the static path; "prefix" does where the target's profiled cost is flat
+    (there the static path verifies whole blocks: what Algorithm 1 would pick, without its per-round host sync);
+    "threshold" is the user's own cut and stays on the dynamic cache."""
+    if config.schedule == "none":
+        return True
+    if config.schedule != "prefix":
+        return False
+    table = SPSTable.from_any(config.sps_table) if config.sps_table is not None else load_or_profile_sps(model, rows)
+    return verify_cost_is_flat(table, rows, width)
 
 
 def _num_draft_tokens(draft, config: SpeculativeConfig) -> int:
@@ -345,7 +361,9 @@ def speculative_generate(
     if any(getattr(cache, "is_linear", ()) or ()):
         raise ValueError(f"{type(model).__name__} has recurrent/linear-attention layers, which cannot be rolled back")
     sliding = any(getattr(cache, "is_sliding", ()) or ())
-    static = _use_static_target(model, config, sliding, forced=asked_static)
+    static = _use_static_target(
+        model, config, sliding, forced=asked_static, rows=batch, width=_num_draft_tokens(draft, config) + 1
+    )
     row_by_row = batch > 1 and sliding
     decoder = _Decoder(
         model, draft, logits_processor, stopping_criteria, generation_config, config, streamer, sliding=sliding,
@@ -438,13 +456,16 @@ class _Decoder:
         self.mask_dtype = next(model.parameters()).dtype
         # The verify forward on fixed shapes (target_graphs.py): cache_implementation="static".
         self.static_target = static_target
+        # The static path's verify forward costs the same for any prefix of the block: "prefix" verifies whole
+        # blocks there (see _static_suits_schedule).
+        self.whole_blocks = config.schedule == "none" or (static_target and config.schedule == "prefix")
         # Whole rounds as one graph (round_graph.py).
         self.fused = bool(config.fused_round)
         if self.fused:
             if not static_target:
                 why_not = "the static verification path is not in use (dspark_target_graphs / cache_implementation)"
-            elif not why_not and config.schedule != "none":
-                why_not = "it verifies whole blocks only (dspark_schedule='none')"
+            elif not why_not and not self.whole_blocks:
+                why_not = "it verifies whole blocks only (dspark_schedule='none' or 'prefix')"
             elif not why_not and (self.want_scores or self.want_logits):
                 why_not = "output_scores / output_logits need each step's scores"
             if why_not:
@@ -714,7 +735,7 @@ class _Decoder:
         schedule = self.config.schedule
         if proposal is None:
             return torch.zeros_like(caps)
-        if schedule == "none":
+        if self.whole_blocks:
             return fixed_schedule(caps, proposal.tokens.shape[1])
         conf = proposal.confidences
         if schedule == "threshold":
@@ -752,7 +773,7 @@ class _Decoder:
                 input_ids=self._draft_input_ids(rows_t, lengths),
             )
         verify_len = self._schedule(proposal, caps)
-        if self.config.schedule == "none":
+        if self.whole_blocks:
             width = n_draft + 1  # known on the host: every row verifies min(cap, n_draft) = its whole cap
         else:
             width = int(verify_len.max().item()) + 1  # confidence schedules: one extra synchronization
