@@ -344,3 +344,27 @@ def test_static_buffers_are_reused_across_calls_without_carrying_state(path):
     assert torch.equal(first, target.generate(ids, attention_mask=mask, **kw))
     target.generate(ids[:1], attention_mask=mask[:1], **static)  # another batch size: new buffers
     assert held() is not runner
+
+
+def test_compiled_verify_forward_matches_and_serves_later_calls():
+    """dspark_compile: the static path's verify forward through torch.compile (inductor; on CUDA it is then
+    captured) is greedy-equal, alone and inside the fused round, and the kept runner's compiled function serves
+    later calls without compiling again."""
+    from torch._dynamo.utils import counters
+
+    target = _target("llama", "sdpa")
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    kw = dict(max_new_tokens=12, do_sample=False)
+    expected = target.generate(ids, attention_mask=mask, **kw)
+    compiled = dict(assistant_model=draft, dspark_target_graphs=True, dspark_compile=True, **kw)
+    counters.clear()
+    assert torch.equal(target.generate(ids, attention_mask=mask, **compiled), expected)
+    frames = counters["frames"]["ok"]
+    assert frames >= 1  # it did compile
+    assert torch.equal(target.generate(ids, attention_mask=mask, dspark_fused_round=True, **compiled), expected)
+    other = torch.tensor([[9, 8, 7, 6, 5, 4], [1, 2, 3, 4, 5, 6], [7, 7, 7, 7, 7, 7]])
+    assert torch.equal(target.generate(other, **compiled), target.generate(other, **kw))
+    assert counters["frames"]["ok"] == frames  # no recompilation for later calls of the same shape
+    with pytest.raises(ValueError, match="dspark_compile=True compiles the static verification path"):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_compile=True, **kw)

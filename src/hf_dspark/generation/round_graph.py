@@ -124,7 +124,7 @@ class FusedRoundRunner:
         target = self.target_runner
         target.window.copy_(window)
         target.positions.copy_(self.real[:, None] + slot)
-        logits, features = target._forward()
+        logits, features = target._run()
         scores = logits.float()
         if len(self.processors):
             scores = apply_position_free(self.processors, scores)

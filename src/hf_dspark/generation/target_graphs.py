@@ -24,11 +24,14 @@ sliding-window layers.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 
 from .cuda_graphs import capture, captured_or_warned, kept_runner
+
+logger = logging.getLogger(__name__)
 
 
 class StaticVerifyCache:
@@ -71,7 +74,7 @@ class StaticTargetRunner:
     generation saves."""
 
     def __init__(self, model, cache_kwarg: str, layer_shapes: list[tuple], rows: int, width: int, capacity: int,
-                 mask_kind: str, capture: bool, device: torch.device):
+                 mask_kind: str, capture: bool, device: torch.device, compile: bool = False):
         self._model = weakref.ref(model)  # runners are kept per model (static_target_runner): no cycle through it
         self.cache_kwarg = cache_kwarg
         self.rows, self.width, self.capacity, self.mask_kind = int(rows), int(width), int(capacity), mask_kind
@@ -89,6 +92,9 @@ class StaticTargetRunner:
         self.hooks = None
         self._graph = None
         self._outputs = None
+        # What verification runs (and captures): the forward, or its compiled version (dspark_compile).
+        self.compiled = bool(compile)
+        self._run = torch.compile(self._forward, dynamic=False) if compile else self._forward
 
     def load(self, prefill_cache, prompt_mask: torch.Tensor, hooks) -> None:
         """Start a call: the prompt's keys and values (a prefilled DynamicCache) and its mask [rows, prompt]."""
@@ -133,8 +139,15 @@ class StaticTargetRunner:
         return out.logits[:, -self.width :], self.hooks.features
 
     def _capture(self) -> None:
-        # The warm-up runs write only uncommitted columns, which no row reads.
-        self._graph, self._outputs = capture(self._forward)
+        # The warm-up runs (which also compile) write only uncommitted columns, which no row reads.
+        try:
+            self._graph, self._outputs = capture(self._run)
+        except Exception as err:  # noqa: BLE001 - the uncompiled forward computes the same thing
+            if not self.compiled:
+                raise
+            logger.warning("compiled verify forward failed (%s: %s); capturing it uncompiled", type(err).__name__, err)
+            self._run, self.compiled = self._forward, False
+            self._graph, self._outputs = capture(self._run)
 
     # -- what the decoding loop calls -----------------------------------------------------------------------
 
@@ -149,7 +162,7 @@ class StaticTargetRunner:
             self._graph.replay()
             logits, features = self._outputs
         else:
-            logits, features = self._forward()
+            logits, features = self._run()
         return logits[local_rows, :w], features[local_rows, :w]
 
     def commit(self, local_rows: torch.Tensor, committed: torch.Tensor, keep: int) -> None:
@@ -188,14 +201,16 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> 
 
 
 def static_target_runner(model, cache_kwarg: str, prefill_cache, rows: int, width: int, capacity: int,
-                         mask_kind: str, capture: bool) -> StaticTargetRunner:
+                         mask_kind: str, capture: bool, compile: bool = False) -> StaticTargetRunner:
     """The target's runner for this call: the last one when the shape matches and its capacity fits, so its graph
     is replayed again; else a new one (`kept_runner`)."""
     layers = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype) for layer in prefill_cache.layers)
     device = prefill_cache.layers[0].keys.device
     # Replaced weights (a reload, .to()) would leave a graph reading freed memory: their address is in the key.
-    key = (cache_kwarg, layers, rows, width, mask_kind, capture, str(device), next(model.parameters()).data_ptr())
-    build = lambda cap: StaticTargetRunner(model, cache_kwarg, list(layers), rows, width, cap, mask_kind, capture, device)  # noqa: E731
+    key = (cache_kwarg, layers, rows, width, mask_kind, capture, compile, str(device), next(model.parameters()).data_ptr())
+    build = lambda cap: StaticTargetRunner(  # noqa: E731
+        model, cache_kwarg, list(layers), rows, width, cap, mask_kind, capture, device, compile
+    )
     return kept_runner(_RUNNERS, model, key, capacity, lambda r: r.capacity, build)
 
 
