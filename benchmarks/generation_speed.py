@@ -5,9 +5,10 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   prompt_lookup transformers' prompt lookup decoding (prompt_lookup_num_tokens; transformers runs it at batch 1 only)
   <draft>       each draft, whole blocks verified
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
-  <draft>/static, /dynamic, /eager, /fused   with --compare-paths: the static verification path (the verify
-                forward replayed as a CUDA graph; the default on CUDA), the dynamic cache, no CUDA graphs at all, and
-                whole rounds as one graph (dspark_fused_round)
+  <draft>/static, /dynamic, /eager, /fused, /compiled   with --compare-paths: the static verification path (the
+                verify forward replayed as a CUDA graph; the default on CUDA), the dynamic cache, no CUDA graphs at
+                all, whole rounds as one graph (dspark_fused_round), the static path with its verify forward
+                compiled before capture (dspark_compile)
   target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
                 generate() on CUDA), the fastest target-alone baseline
   hf_dflash     transformers' built-in DFlash candidate generator (speculation_type="dflash"), only with
@@ -80,8 +81,8 @@ def parse_args(argv=None):
                         "can)")
     parser.add_argument("--compare-paths", action="store_true",
                         help="also time each draft on each decoding path: /static (dspark_target_graphs=True), /dynamic "
-                        "(dspark_target_graphs=False), /eager (no CUDA graphs at all) and /fused (whole rounds as one "
-                        "graph, dspark_fused_round=True)")
+                        "(dspark_target_graphs=False), /eager (no CUDA graphs at all), /fused (whole rounds as one "
+                        "graph, dspark_fused_round=True) and /compiled (the verify forward compiled, dspark_compile=True)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--profile", default=None, metavar="FILE",
@@ -225,6 +226,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                         (f"{name}/dynamic", {"dspark_target_graphs": False}),
                         (f"{name}/eager", {"dspark_target_graphs": False, "dspark_draft_graphs": False}),
                         (f"{name}/fused", {"dspark_target_graphs": True, "dspark_fused_round": True}),
+                        (f"{name}/compiled", {"dspark_target_graphs": True, "dspark_compile": True}),
                     ]
                 if getattr(draft.config, "enable_confidence_head", False):
                     sps = {"dspark_sps_table": args.sps_table} if args.sps_table else {}
