@@ -276,6 +276,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                 row = Row("target+static-cache", batch_size, temperature)
                 row.new_tokens, row.seconds, outputs, _ = run_method(*common, static=static)
                 row.extra.update(static.record())
+                row.note = f"static cache of {static.cache_len} for the run, compiled in untimed warm-ups"
                 if temperature == 0:
                     greedy_agreement(row, outputs, reference, eos_ids)
                 add(row)
