@@ -26,9 +26,9 @@ def test_cache_length_is_the_longest_prompt_plus_new_tokens_rounded_up():
         static_cache_length([], 16)
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_one_cache_per_batch_shape_and_the_target_generate_tokens(rows):
-    target = make_tiny_target("llama")
+@pytest.mark.parametrize("family, rows", [("llama", 1), ("llama", 2), ("qwen3", 2), ("gemma3", 2)])
+def test_one_cache_per_batch_shape_and_the_target_generate_tokens(family, rows):
+    target = make_tiny_target(family)  # gemma3: sliding-window layers, the window (16) shorter than some calls
     target.generation_config.cache_implementation = "static"  # as some checkpoints ship it: must not conflict
     prompts = prompts_of([5, 17, 3, 11, 9, 4, 13])
     baseline = StaticTargetBaseline(target, prompts, NEW_TOKENS)
@@ -44,7 +44,7 @@ def test_one_cache_per_batch_shape_and_the_target_generate_tokens(rows):
         )
         assert torch.equal(out, ref)  # a reused cache (stale keys past the prompt) changes nothing
         cache = kwargs[baseline.cache_kwarg]
-        layer = cache.layers[0]
+        layer = next(layer for layer in cache.layers if not layer.is_sliding)
         assert layer.keys.shape[0] == len(batch) and layer.keys.shape[2] == baseline.cache_len
         held = caches.setdefault(len(batch), (cache, layer.keys.data_ptr()))
         assert held == (cache, layer.keys.data_ptr())  # one object, one address per batch shape
