@@ -18,9 +18,10 @@ makes the CUDA graphs re-record. Measured on an H200 (SmolLM2-135M, 128 new toke
 
 `StaticTargetBaseline` fixes both for a whole run: one cache length (the run's longest prompt + max_new_tokens,
 rounded up to `CAPACITY_STEP` like the capacity of hf_dspark's own static verification path, so both attend over
-comparably long caches) and one `StaticCache` per batch shape, built once, `reset()` before each call and passed
-to generate() (the documented way to reuse a static cache): the compiled step then sees one shape and one set of
-addresses per batch shape, and `warm_up` compiles each shape once, untimed. Its `record()` says how the baseline
+comparably long caches) and one `StaticCache` per batch shape, built once, emptied in place (`reset()`) before
+each call and passed to generate() as its cache object: the compiled step then sees one shape and one set of
+addresses per batch shape, and `warm_up` compiles each shape once, untimed. (generate()'s own `max_cache_len`
+option, in 5.17 and 5.24, fixes the length but still allocates a new cache per call.) Its `record()` says how the baseline
 was made, for the result rows.
 """
 
