@@ -10,14 +10,20 @@ Compares, on the same prompts and settings, at each batch size and temperature:
                 all, whole rounds as one graph (dspark_fused_round), the static path with its verify forward
                 compiled before capture (dspark_compile)
   target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
-                generate() on CUDA), the fastest target-alone baseline
+                generate() on CUDA), the fastest target-alone baseline. Not plain cache_implementation="static":
+                generate() sizes each call's new StaticCache by that call's prompt length + max_new_tokens (never
+                shrinking below an earlier call's), so each longer prompt changed the compiled step's shapes and
+                recompiled it inside the timing (and new cache addresses re-record its CUDA graphs). The row passes
+                one StaticCache per batch shape, of one length for the whole run (longest prompt + max_new_tokens,
+                rounded up to 256), reset before each call, and warms each batch shape once untimed
+                (hf_dspark.evaluation.static_baseline); the row records static_cache_len and static_warmup_calls
   hf_dflash     transformers' built-in DFlash candidate generator (speculation_type="dflash"), only with
                 --hf-dflash-draft (a transformers-format DFlash checkpoint; hf_dspark DFlash drafts use
                 DeepSpec's slot convention and cannot run there)
 
-Timing: one warm-up call per method, then every prompt batch timed with CUDA-synchronized wall clock. Generated
-tokens are counted up to and including each row's first EOS. Prints a table last and writes JSON (command,
-hardware, versions, rows).
+Timing: one warm-up call per method and batch shape, then every prompt batch timed with CUDA-synchronized wall
+clock. Generated tokens are counted up to and including each row's first EOS. Prints a table last and writes JSON
+(command, hardware, versions, rows).
 
 GPU:   python benchmarks/generation_speed.py --draft dspark=runs/dspark --draft eagle3=runs/eagle3 \
            --prompts ../shared/data/eval/mt-bench.jsonl --batch-sizes 1 16 --temperatures 0 1 --json bench.json
@@ -39,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import hardware  # noqa: E402
 
 from hf_dspark.data.prompts import count_new_tokens, eos_token_ids, new_token_lengths
+from hf_dspark.evaluation.static_baseline import StaticTargetBaseline
 
 
 @dataclass
@@ -77,8 +84,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--static-target", action="store_true",
-                        help="also time target.generate(cache_implementation='static') (compiled by generate where it "
-                        "can)")
+                        help="also time target.generate() on a static cache (compiled by generate where it can), one "
+                        "cache length for the whole run, each batch shape warmed up untimed")
     parser.add_argument("--compare-paths", action="store_true",
                         help="also time each draft on each decoding path: /static (dspark_target_graphs=True), /dynamic "
                         "(dspark_target_graphs=False), /eager (no CUDA graphs at all), /fused (whole rounds as one "
@@ -152,8 +159,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, draft=None, extra=None):
-    """Generate every prompt batch once (after one warm-up batch): (tokens, seconds, outputs, merged stats)."""
+def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, draft=None, extra=None, static=None):
+    """Generate every prompt batch once (after one warm-up batch per batch shape): (tokens, seconds, outputs, merged
+    stats). `static`: a StaticTargetBaseline, whose fixed-length StaticCache each call of the target alone uses."""
     from hf_dspark.data.prompts import left_pad
 
     device = next(target.parameters()).device
@@ -166,19 +174,27 @@ def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, 
         kwargs["assistant_model"] = draft
     kwargs.update(extra or {})
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    for warm in {len(batches[0]): batches[0], len(batches[-1]): batches[-1]}.values():
-        # Warm-up, once per batch shape (this also profiles and caches the prefix scheduler's SPS table).
-        ids, mask = left_pad(warm, pad_id, device)
-        target.generate(ids, attention_mask=mask, **kwargs)
+
+    def timed_generate(batch):
+        ids, mask = left_pad(batch, pad_id, device)
+        cache = static.generate_kwargs(ids) if static is not None else {}  # emptied outside the timer
+        _sync(device)
+        start = time.perf_counter()
+        out = target.generate(ids, attention_mask=mask, **kwargs, **cache)
+        _sync(device)
+        return ids, out, time.perf_counter() - start
+
+    if static is not None:
+        static.warm_up(batches, timed_generate)  # compiles the decoding step once per batch shape, for the whole run
+    else:
+        for warm in {len(batches[0]): batches[0], len(batches[-1]): batches[-1]}.values():
+            # Warm-up, once per batch shape (this also profiles and caches the prefix scheduler's SPS table).
+            timed_generate(warm)
     tokens, seconds, outputs, stats = 0, 0.0, [], None
     torch.manual_seed(args.seed)
     for batch in batches:
-        ids, mask = left_pad(batch, pad_id, device)
-        _sync(device)
-        start = time.perf_counter()
-        out = target.generate(ids, attention_mask=mask, **kwargs)
-        _sync(device)
-        seconds += time.perf_counter() - start
+        ids, out, elapsed = timed_generate(batch)
+        seconds += elapsed
         tokens += count_new_tokens(out, ids.shape[1], eos_ids)
         outputs.append(out[:, ids.shape[1] :].cpu())
         if draft is not None and hasattr(draft, "last_generation_stats"):
@@ -204,6 +220,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
     device = next(target.parameters()).device
     pad_id, eos_ids = special_ids(target, tokenizer)
     hf_dflash, hf_dflash_note = load_hf_dflash(args, device, target)
+    static = StaticTargetBaseline(target, prompts, args.max_new_tokens) if args.static_target else None
     rows: list[Row] = []
 
     def add(row: Row) -> None:
@@ -255,11 +272,13 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                     if temperature == 0:
                         greedy_agreement(row, outputs, reference, eos_ids)
                     add(row)
-            if args.static_target:
+            if static is not None:
                 # transformers' own fast path, timed last (its compilation can be slow): a static cache, whose
-                # decoding step generate() compiles where it can.
+                # decoding step generate() compiles where it can; one cache length for the run (see the docstring).
                 row = Row("target+static-cache", batch_size, temperature)
-                row.new_tokens, row.seconds, outputs, _ = run_method(*common, None, {"cache_implementation": "static"})
+                row.new_tokens, row.seconds, outputs, _ = run_method(*common, static=static)
+                row.extra.update(static.record())
+                row.note = f"static cache of {static.cache_len} for the run, compiled in untimed warm-ups"
                 if temperature == 0:
                     greedy_agreement(row, outputs, reference, eos_ids)
                 add(row)

@@ -243,12 +243,19 @@ def timed_generate(target, enc, **kwargs):
 
 
 def static_target_speed(target, encoded, settings) -> float | None:
-    """tokens/s of the target alone with cache_implementation="static" (generate() compiles its step on CUDA)."""
+    """tokens/s of the target alone on a static cache (generate() compiles its step on CUDA): one cache length for
+    every prompt, so it compiles once, in the warm-up (plain cache_implementation="static" recompiles for each
+    longer prompt)."""
+    from hf_dspark.evaluation import StaticTargetBaseline
+
     try:
-        target.generate(**encoded[0], cache_implementation="static", **settings)  # warm-up: compilation
+        prompts = [enc["input_ids"][0].tolist() for enc in encoded]
+        baseline = StaticTargetBaseline(target, prompts, settings["max_new_tokens"])
+        warm = encoded[0]
+        target.generate(**warm, **baseline.generate_kwargs(warm["input_ids"]), **settings)  # compiles, untimed
         tokens, seconds = 0, 0.0
         for enc in encoded:
-            out, took = timed_generate(target, enc, cache_implementation="static", **settings)
+            out, took = timed_generate(target, enc, **baseline.generate_kwargs(enc["input_ids"]), **settings)
             seconds += took
             tokens += out.shape[1] - enc["input_ids"].shape[1]
         return tokens / seconds

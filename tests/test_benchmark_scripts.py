@@ -43,6 +43,11 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
             # float32 on CPU: every greedy decoding path reproduces target.generate() exactly.
             assert row["matches_target"] is True, row
             assert row["greedy_first_divergence"] == []
+    # One cache length and one warm-up per batch shape for the whole run (rows: T 0 then 1, batch 1 then 4).
+    static = [r for r in rows if r["method"] == "target+static-cache"]
+    assert [r["static_cache_len"] for r in static] == [256] * 4
+    assert [r["static_warmup_calls"] for r in static] == [1, 2, 2, 2]
+    assert [r["static_cache_batch_shapes"] for r in static] == [[1], [1, 4], [1, 4], [1, 4]]
     assert "per new token" in profile.read_text()
 
 

@@ -144,9 +144,13 @@ def test_eval_static_baseline(workdir, capsys):
     (baseline,) = data["baselines"]
     static = baseline["static_cache"]
     assert static["new_tokens"] == baseline["new_tokens"]  # greedy: the same outputs, so the same lengths
+    # One cache length for the run (longest prompt + 6, rounded up), one warm-up per batch shape (batch 1 here).
+    assert static["static_cache_len"] == data["settings"]["static_cache_len"] == 256
+    assert static["static_warmup_calls"] == 1 and static["static_cache_batch_shapes"] == [1]
     (row,) = data["results"]
     assert row["speedup_vs_static_target"] == pytest.approx(row["tokens_per_s"] / static["tokens_per_s"])
-    assert "target alone, static cache" in (out / "results.md").read_text()
+    markdown = (out / "results.md").read_text()
+    assert "target alone, static cache" in markdown and "one StaticCache length (256 tokens)" in markdown
 
 
 def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path, capsys):

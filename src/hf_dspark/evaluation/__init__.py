@@ -9,6 +9,7 @@ _EXPORTS = {
     "calibration_summary": ".calibration",
     "load_metric": ".evaluate_metrics",
     "save_results": ".report",
+    "StaticTargetBaseline": ".static_baseline",
     **dict.fromkeys(["EvaluationResults", "evaluate_drafts", "generation_stats", "load_drafts", "load_target"],
                     ".runner"),
 }  # fmt: skip

@@ -78,6 +78,11 @@ def results_markdown(results) -> str:
             "generate()'s default on CUDA); the target alone ran eagerly, so part of the speedup is the graphs "
             "(--static_baseline compares with the target's own compiled static-cache decoding)"
         )
+    if settings.get("static_cache_len"):
+        out.append(
+            f"- static-cache target: one StaticCache length ({settings['static_cache_len']} tokens) for every call of "
+            "the run, generate()'s compiled step warmed up once per batch shape, untimed"
+        )
     if settings.get("generate_kwargs"):
         out.append(f"- draft generate() options: `{json.dumps(settings['generate_kwargs'])}`")
     if results.command:

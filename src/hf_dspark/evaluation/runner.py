@@ -31,6 +31,7 @@ from ..metrics import AcceptanceStats
 from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad, new_token_lengths  # noqa: F401 (count_new_tokens: re-exported)
 from ..resources import load_target
+from .static_baseline import StaticTargetBaseline
 
 logger = logging.getLogger(__name__)
 
@@ -168,11 +169,13 @@ def _left_pad(batch: Sequence[Sequence[int]], pad_id: int, device) -> dict[str, 
 
 
 @torch.no_grad()
-def _generate(target, inputs, generation_config, eos_ids, draft=None, generate_kwargs=None) -> _CallResult:
+def _generate(target, inputs, generation_config, eos_ids, draft=None, generate_kwargs=None, static=None) -> _CallResult:
     device = inputs["input_ids"].device
     extra = dict(generate_kwargs or {}) if draft is not None else {}
     if draft is not None:
         extra["assistant_model"] = draft
+    if static is not None:  # the static-cache baseline's cache for this batch shape, emptied outside the timer
+        extra.update(static.generate_kwargs(inputs["input_ids"]))
     _synchronize(device)
     start = time.perf_counter()
     output = target.generate(**inputs, generation_config=generation_config, **extra)
@@ -284,8 +287,10 @@ def evaluate_drafts(
     `{"turns": [...]}` (first turn used); num_prompts: the first N prompts of every file (None: all);
     temperature: one value or several (0 = greedy), each giving its own rows; top_k=0 / top_p=1.0 mean off;
     generate_kwargs: extra arguments for the draft generate() calls only (e.g. scheduler options).
-    static_baseline: also time the target alone with `cache_implementation="static"` (transformers compiles its
-    decoding step on CUDA: the fastest target-alone baseline); rows then carry `speedup_vs_static_target`.
+    static_baseline: also time the target alone on transformers' static cache (transformers compiles its decoding
+    step on CUDA: the fastest target-alone baseline), with one cache length for every call of the run and each
+    batch shape warmed up untimed (`static_baseline.StaticTargetBaseline`); rows then carry
+    `speedup_vs_static_target`, the baselines `static_cache` (with `static_cache_len`).
     Returns `EvaluationResults`; with `output_dir`, also writes results.json, results.md and PNG plots there
     (JSON and markdown are rewritten after every row, so an interrupted run keeps its finished rows).
     """
@@ -323,10 +328,18 @@ def evaluate_drafts(
         prompts[name] = render_prompts(tokenizer, load_eval_prompts(path, num_prompts))
 
     warmed: set[str] = set()
+    static = None
+    if static_baseline:  # one cache length for every prompt of every dataset: one compiled shape per batch shape
+        static = StaticTargetBaseline(target, [p for r in prompts.values() for p in r], max_new_tokens)
 
-    def run(model_name, draft, rendered, gen_config, desc):
+    def run(model_name, draft, rendered, gen_config, desc, static=None):
         batches = [rendered[i : i + batch_size] for i in range(0, len(rendered), batch_size)]
-        if warmup and model_name not in warmed:
+        if warmup and static is not None:
+            # The compiled step is specialised on the batch shape: each new one is compiled here, untimed.
+            static.warm_up(
+                batches, lambda b: _generate(target, _left_pad(b, pad_id, device), gen_config, eos_ids, static=static)
+            )
+        elif warmup and model_name not in warmed:
             # First calls pay for kernel selection, allocator growth and (for drafts) any scheduler profiling, and
             # attention kernels are planned per sequence length: warm up over the whole length. A 16-token warm-up
             # left the first measured rows (greedy target alone, run first) 1.5-2.6x slower per step than the
@@ -339,7 +352,7 @@ def evaluate_drafts(
             for index, batch in enumerate(batches):
                 torch.manual_seed(seed + index)  # same seeds for the target alone and every draft
                 inputs = _left_pad(batch, pad_id, device)
-                calls.append(_generate(target, inputs, gen_config, eos_ids, draft, generate_kwargs))
+                calls.append(_generate(target, inputs, gen_config, eos_ids, draft, generate_kwargs, static))
                 bar.update(len(batch))
         return calls
 
@@ -368,6 +381,7 @@ def evaluate_drafts(
             "warmup": warmup,
             "generate_kwargs": dict(generate_kwargs or {}),
             "static_baseline": static_baseline,
+            "static_cache_len": static.cache_len if static is not None else None,
             "dtype": str(target.get_input_embeddings().weight.dtype).removeprefix("torch."),
             "device": str(device),
             "drafts": {name: _draft_description(d) for name, d in drafts.items()},
@@ -381,11 +395,10 @@ def evaluate_drafts(
                 calls = run("target", None, rendered, gen_config, f"target alone | {data_name} | T={temp:g}")
                 base = _speed(calls)
                 baseline = {"dataset": data_name, "temperature": temp, "num_prompts": len(rendered), **base}
-                if static_baseline:
-                    static_config = copy.deepcopy(gen_config)
-                    static_config.cache_implementation = "static"
+                if static is not None:
                     desc = f"target alone, static cache | {data_name} | T={temp:g}"
-                    baseline["static_cache"] = _speed(run("target-static", None, rendered, static_config, desc))
+                    calls = run("target-static", None, rendered, gen_config, desc, static)
+                    baseline["static_cache"] = {**_speed(calls), **static.record()}
                 results.baselines.append(baseline)
                 for draft_name, draft in drafts.items():
                     calls = run(draft_name, draft, rendered, gen_config, f"{draft_name} | {data_name} | T={temp:g}")
