@@ -18,8 +18,7 @@ in each chunk does everything in one pass over the full vocabulary: draft and ta
 CE / L1 / soft-CE / argmax agreement, and the gradient with respect to the hidden states, the Markov
 features and W2 (the loss is linear in the per-slot terms with weights known up front, so the gradient can be
 formed while the logits are live). Every logit is computed exactly once; backward only rescales the stored
-gradients. Peak extra memory, independent of the number of slots: about four [rows, V] fp32 buffers compiled
-(the two logits, p - q, g in the compute dtype), up to seven eager (`_chunk_math`).
+gradients. Peak extra memory: about five [rows, V] fp32 buffers, independent of the number of slots.
 
 Backends. `backend="torch"` is the row-chunked path above (matmuls + [rows, V] elementwise math, optionally
 compiled). `backend="triton"` (`triton_head_loss.py`) computes the same function in rows x vocabulary tiles that
@@ -63,55 +62,57 @@ def _logsumexp(x: torch.Tensor) -> torch.Tensor:
     return m + (x - m).exp_().sum(-1, keepdim=True).log_()
 
 
-def _chunk_math(u, ut, labels, w_ce, w_l1, w_soft, cap, grad_dtype):
-    """Everything that touches [rows, V] after the matmuls; the eager and the compiled path both run this.
-
-    u / ut: draft / target logits before soft-capping, fp32 [n, V]. Returns per-row (ce, l1, soft_ce, match) and
-    g = d(sum_i w_ce ce_i + w_l1 l1_i + w_soft sce_i)/d(pre-softcap draft logits) [n, V] in grad_dtype (None: no
-    gradient). u and ut are read, never written: a compiled function that mutates its inputs copies them back.
-    In-place ops touch only buffers made here (fewer live [n, V] temporaries in eager; inductor sees the same graph).
-    Compiled, inductor makes this one kernel of up to three sweeps per row: max / sum-exp / argmax, then the row
-    sums, then g (cast to grad_dtype in the same pass); only p - q is stored in between. Eager holds up to five
-    [n, V] fp32 temporaries besides u and ut (one more than when it consumed u and ut in place).
-    """
-    capgrad = None
+def _softcap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     if cap is not None:
-        u = torch.div(u, cap).tanh_()
-        capgrad = 1.0 - u.square() if grad_dtype is not None else None  # d softcap(u) / du
-        u = u.mul_(cap)
-        ut = None if ut is None else torch.div(ut, cap).tanh_().mul_(cap)
+        logits.div_(cap).tanh_().mul_(cap)
+    return logits
+
+
+def _chunk_math(u, ut, labels, w_ce, w_l1, w_soft, cap, grad_dtype):
+    """Everything that touches [rows, V] after the matmuls, in place; the eager and the compiled path run this.
+
+    u / ut: draft / target logits before soft-capping, fp32 [n, V], consumed in eager. Returns per-row (ce, l1,
+    soft_ce, match) and g = d(sum_i w_ce ce_i + w_l1 l1_i + w_soft sce_i)/d(pre-softcap draft logits) [n, V] in
+    grad_dtype (None: no gradient). Compiled, inductor makes this one kernel of up to three sweeps per row (max /
+    sum-exp / argmax, then the row sums, then g, cast in the same pass); only p - q is stored in between.
+    """
+    if torch.compiler.is_compiling():
+        # A mutated graph input is copied back after the kernel (a full pass each, read by nobody); the clones
+        # cost nothing, inductor folds them into the kernel's loads.
+        u, ut = u.clone(), None if ut is None else ut.clone()
+    _softcap_(u, cap)
+    capgrad = torch.div(u, cap).square_().neg_().add_(1.0) if cap is not None and grad_dtype is not None else None
     lse = _logsumexp(u)  # [n, 1]
     ce = (lse - u.gather(1, labels[:, None])).squeeze(1)
     l1 = soft_ce = match = diff = None
     if ut is not None:
+        _softcap_(ut, cap)
         match = u.argmax(-1) == ut.argmax(-1)
-        diff = (ut - _logsumexp(ut)).exp_()  # target probs q, made p - q below
-        del ut
+        q = ut.sub_(_logsumexp(ut)).exp_()  # target probs, in place
         if w_soft is not None:
-            # Row dot products as product-sums: inductor fuses them into its reductions (a bmm stays a gemv call).
-            soft_ce = (lse - (diff * u).sum(-1, keepdim=True)).squeeze(1)  # lse - sum_v q u
-    p = (u - lse).exp_()  # draft probs
-    del u
-    if diff is not None:
-        diff = diff.neg_().add_(p)  # p - q
-        l1 = diff.abs().sum(-1)
+            # Row dot products as product-sums, which inductor fuses into its reductions (a bmm stays a gemv call);
+            # eager, each holds one more [n, V] temporary than a bmm would.
+            soft_ce = (lse - (q * u).sum(-1, keepdim=True)).squeeze(1)  # lse - sum_v q u
+    p = u.sub_(lse).exp_()  # draft probs, in place
+    if ut is not None:
+        diff = q.neg_().add_(p)  # p - q, in place
+        l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1)
     if grad_dtype is None:
         return ce, l1, soft_ce, match, None
     # d CE/du = p - onehot;  d L1/du_v = p_v (sign_v - sum_w sign_w p_w);  d SCE/du = p - q.
     if w_l1 is not None:
         g = diff.sign()
-        g = g.sub_((g * p).sum(-1, keepdim=True)).mul_(w_l1[:, None]).add_(w_ce[:, None]).mul_(p)
+        g.sub_((g * p).sum(-1, keepdim=True)).mul_(w_l1[:, None]).add_(w_ce[:, None]).mul_(p)
     else:
         g = p.mul_(w_ce[:, None])
     if w_soft is not None:
-        g = g.addcmul_(diff, w_soft[:, None])
+        g.addcmul_(diff, w_soft[:, None])
     if torch.compiler.is_compiling():  # a compare fuses into the elementwise pass; a scatter would split it in two
-        onehot = torch.arange(g.shape[1], device=g.device) == labels[:, None]
-        g = g - torch.where(onehot, w_ce[:, None], 0.0)
-    else:  # eager: touch n elements, not [n, V]
-        g = g.scatter_add_(1, labels[:, None], -w_ce[:, None])
+        g = g - torch.where(torch.arange(g.shape[1], device=g.device) == labels[:, None], w_ce[:, None], 0.0)
+    else:  # eager: n elements, not [n, V]
+        g.scatter_add_(1, labels[:, None], -w_ce[:, None])
     if capgrad is not None:
-        g = g.mul_(capgrad)
+        g.mul_(capgrad)
     return ce, l1, soft_ce, match, g.to(grad_dtype)
 
 
