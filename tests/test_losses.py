@@ -165,6 +165,20 @@ def test_chunk_rows_bound_the_fp32_buffer():
     assert chunk_rows(96, 10) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_addmm_acc_adds_the_product_into_the_accumulator_in_place(dtype):
+    """The Markov logits and the W2 gradient accumulate through this: c += a @ b, in c itself, c in fp32/fp64."""
+    from hf_dspark.training.loss_buffers import _addmm_acc_
+
+    gen = torch.Generator().manual_seed(4)
+    acc = torch.promote_types(dtype, torch.float32)
+    c = torch.randn(5, 7, generator=gen, dtype=acc)
+    a, b = torch.randn(5, 3, generator=gen).to(dtype), torch.randn(7, 3, generator=gen).to(dtype).T
+    want = c + a.to(acc) @ b.to(acc)
+    assert _addmm_acc_(c, a, b) is c
+    torch.testing.assert_close(c, want, **({} if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)))
+
+
 def test_fused_head_loss_refuses_a_trainable_lm_head():
     W = torch.randn(10, 4, requires_grad=True)
     with pytest.raises(ValueError, match="freeze_target_io"):
