@@ -165,6 +165,20 @@ def test_chunk_rows_bound_the_fp32_buffer():
     assert chunk_rows(96, 10) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_addmm_acc_adds_the_product_into_the_accumulator_in_place(dtype):
+    """The Markov logits and the W2 gradient accumulate through this: c += a @ b, in c itself, c in fp32/fp64."""
+    from hf_dspark.training.loss_buffers import _addmm_acc_
+
+    gen = torch.Generator().manual_seed(4)
+    acc = torch.promote_types(dtype, torch.float32)
+    c = torch.randn(5, 7, generator=gen, dtype=acc)
+    a, b = torch.randn(5, 3, generator=gen).to(dtype), torch.randn(7, 3, generator=gen).to(dtype).T
+    want = c + a.to(acc) @ b.to(acc)
+    assert _addmm_acc_(c, a, b) is c
+    torch.testing.assert_close(c, want, **({} if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)))
+
+
 def test_fused_head_loss_refuses_a_trainable_lm_head():
     W = torch.randn(10, 4, requires_grad=True)
     with pytest.raises(ValueError, match="freeze_target_io"):
@@ -374,6 +388,68 @@ def test_compiled_loss_math_equals_eager_on_every_chunk_length():
     from hf_dspark.training import losses
 
     assert losses._COMPILED_CHUNK_MATH is not losses._chunk_math, "compilation failed: the eager fallback ran"
+
+
+def _chunk_inputs(rows=6, vocab=40, dtype=torch.float32, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    u, ut = (4 * torch.randn(rows, vocab, generator=gen, dtype=dtype) for _ in range(2))
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    w_ce, w_l1, w_soft = (torch.rand(rows, generator=gen, dtype=dtype) for _ in range(3))
+    return u, ut, labels, w_ce, w_l1, w_soft
+
+
+def test_compiled_chunk_math_graph_writes_no_input_and_has_no_matmul():
+    """What torch.compile sees of the per-chunk math: the logits are only read (a graph input mutated in place is
+    copied back after the kernel, a full pass each), the row-wise dot products are elementwise products summed
+    (a bmm stays an extern gemv call on CUDA instead of fusing into the reductions), and g leaves the graph in
+    the compute dtype (no separate cast pass)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from hf_dspark.training import losses
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    u, ut, labels, w_ce, w_l1, w_soft = _chunk_inputs()
+    before = u.clone(), ut.clone()  # a mutated input is also what makes inductor copy it back
+    torch._dynamo.reset()
+    fn = torch.compile(losses._chunk_math, backend=aot_autograd(fw_compiler=record), dynamic=False)
+    *_, g = fn(u, ut, labels, w_ce, w_l1, w_soft, 5.0, torch.bfloat16)
+    assert len(graphs) == 1 and g.dtype == torch.bfloat16
+    assert torch.equal(u, before[0]) and torch.equal(ut, before[1])
+    aten = torch.ops.aten
+    matmuls = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.mv.default}
+    assert not [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in matmuls]
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("terms", ["ce+l1+soft_ce, softcap", "ce"])
+def test_compiled_chunk_math_equals_eager(terms):
+    """Inductor's kernels for the per-chunk math against the same function run eagerly (which consumes the logits
+    in place): statistics and the gradient (cast to bf16 inside the compiled code); the compiled call leaves its
+    inputs as they were."""
+    from hf_dspark.training import losses
+
+    u, ut, labels, w_ce, w_l1, w_soft = _chunk_inputs()
+    args = (u, ut, labels, w_ce, w_l1, w_soft, 5.0) if terms != "ce" else (u, None, labels, w_ce, None, None, None)
+    before = u.clone(), ut.clone()
+    torch._dynamo.reset()
+    compiled = torch.compile(losses._chunk_math, dynamic=False)(*args, torch.bfloat16)
+    assert torch.equal(u, before[0]) and torch.equal(ut, before[1])
+    eager = losses._chunk_math(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args), torch.bfloat16)
+    for got, want in zip(compiled, eager):
+        if want is None:
+            assert got is None
+        elif want.dtype == torch.bool:
+            assert torch.equal(got, want)
+        else:
+            assert got.dtype == want.dtype
+            tol = dict(rtol=1.6e-2, atol=1e-5) if want.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, want, **tol)
+    torch._dynamo.reset()
 
 
 # -- backend selection (the Triton kernels themselves: test_triton_head_loss.py) ---------------------------------

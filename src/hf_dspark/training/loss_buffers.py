@@ -30,4 +30,21 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.T
     return (a @ b).to(acc_dtype)
 
 
+_ADDMM_OUT_DTYPE_OK = True  # the same for torch.addmm(c, a, b, out_dtype=fp32, out=c)
+
+
+def _addmm_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """c += a @ b in place, c in the accumulation dtype: the GEMM adds into c where it can (no product tensor and
+    no separate pass over c), else the product is added."""
+    global _ADDMM_OUT_DTYPE_OK
+    if a.dtype == c.dtype:
+        return c.addmm_(a, b)
+    if _ADDMM_OUT_DTYPE_OK and c.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and c.dtype == torch.float32:
+        try:
+            return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE_OK = False
+    return c.add_(_mm_acc(a, b, c.dtype))
+
+
 __all__ = ["DEFAULT_CHUNK_ELEMENTS", "chunk_rows"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .loss_buffers import DEFAULT_CHUNK_ELEMENTS, _mm_acc, chunk_rows
+from .loss_buffers import DEFAULT_CHUNK_ELEMENTS, _addmm_acc_, _mm_acc, chunk_rows
 
 from ..metrics import training_acceptance_estimates
 
@@ -55,48 +55,65 @@ class HeadStats:
     greedy_match: torch.Tensor | None = None  # argmax p_d == argmax p_t
 
 
+def _logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """log sum_v exp(x_v) over the last dim, [n, 1]: written out so that inductor's online softmax folds the max
+    and the sum of exponentials into one sweep (torch.logsumexp's decomposition is not matched)."""
+    m = x.amax(-1, keepdim=True)
+    return m + (x - m).exp_().sum(-1, keepdim=True).log_()
+
+
 def _softcap_(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     if cap is not None:
         logits.div_(cap).tanh_().mul_(cap)
     return logits
 
 
-def _chunk_math(u, ut, labels, w_ce, w_l1, w_soft, cap, want_grad):
-    """Everything that touches [rows, V] after the matmuls, in place where possible.
+def _chunk_math(u, ut, labels, w_ce, w_l1, w_soft, cap, grad_dtype):
+    """Everything that touches [rows, V] after the matmuls, in place; the eager and the compiled path run this.
 
-    u / ut: draft / target logits before soft-capping, fp32 [n, V] (both are consumed). Returns per-row
-    stats and g = d(sum_i w_ce ce_i + w_l1 l1_i + w_soft sce_i)/d(pre-softcap draft logits) [n, V] (or None).
+    u / ut: draft / target logits before soft-capping, fp32 [n, V], consumed in eager. Returns per-row (ce, l1,
+    soft_ce, match) and g = d(sum_i w_ce ce_i + w_l1 l1_i + w_soft sce_i)/d(pre-softcap draft logits) [n, V] in
+    grad_dtype (None: no gradient). Compiled, inductor makes this one kernel of up to three sweeps per row (max /
+    sum-exp / argmax, then the row sums, then g, cast in the same pass); only p - q is stored in between.
     """
+    if torch.compiler.is_compiling():
+        # A mutated graph input is copied back after the kernel (a full pass each, read by nobody); the clones
+        # cost nothing, inductor folds them into the kernel's loads.
+        u, ut = u.clone(), None if ut is None else ut.clone()
     _softcap_(u, cap)
-    capgrad = (1.0 - (u / cap).square()) if (cap is not None and want_grad) else None
-    lse = torch.logsumexp(u, dim=-1)  # [n]
-    ce = lse - u.gather(1, labels[:, None]).squeeze(1)
+    capgrad = torch.div(u, cap).square_().neg_().add_(1.0) if cap is not None and grad_dtype is not None else None
+    lse = _logsumexp(u)  # [n, 1]
+    ce = (lse - u.gather(1, labels[:, None])).squeeze(1)
     l1 = soft_ce = match = diff = None
     if ut is not None:
         _softcap_(ut, cap)
         match = u.argmax(-1) == ut.argmax(-1)
-        q = ut.sub_(torch.logsumexp(ut, dim=-1, keepdim=True)).exp_()  # target probs, in place
+        q = ut.sub_(_logsumexp(ut)).exp_()  # target probs, in place
         if w_soft is not None:
-            soft_ce = lse - torch.bmm(q[:, None, :], u[:, :, None]).view(-1)  # lse - sum_v q u
-    p = u.sub_(lse[:, None]).exp_()  # draft probs, in place
+            # Row dot products as product-sums, which inductor fuses into its reductions (a bmm stays a gemv call);
+            # eager, each holds one more [n, V] temporary than a bmm would.
+            soft_ce = (lse - (q * u).sum(-1, keepdim=True)).squeeze(1)  # lse - sum_v q u
+    p = u.sub_(lse).exp_()  # draft probs, in place
     if ut is not None:
         diff = q.neg_().add_(p)  # p - q, in place
         l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1)
-    if not want_grad:
+    if grad_dtype is None:
         return ce, l1, soft_ce, match, None
     # d CE/du = p - onehot;  d L1/du_v = p_v (sign_v - sum_w sign_w p_w);  d SCE/du = p - q.
     if w_l1 is not None:
         g = diff.sign()
-        g.sub_(torch.bmm(g[:, None, :], p[:, :, None]).view(-1, 1)).mul_(w_l1[:, None])
-        g.add_(w_ce[:, None]).mul_(p)
+        g.sub_((g * p).sum(-1, keepdim=True)).mul_(w_l1[:, None]).add_(w_ce[:, None]).mul_(p)
     else:
         g = p.mul_(w_ce[:, None])
     if w_soft is not None:
         g.addcmul_(diff, w_soft[:, None])
-    g.scatter_add_(1, labels[:, None], -w_ce[:, None])
+    if torch.compiler.is_compiling():  # a compare fuses into the elementwise pass; a scatter would split it in two
+        g = g - torch.where(torch.arange(g.shape[1], device=g.device) == labels[:, None], w_ce[:, None], 0.0)
+    else:  # eager: n elements, not [n, V]
+        g.scatter_add_(1, labels[:, None], -w_ce[:, None])
     if capgrad is not None:
         g.mul_(capgrad)
-    return ce, l1, soft_ce, match, g
+    return ce, l1, soft_ce, match, g.to(grad_dtype)
 
 
 _COMPILED_CHUNK_MATH = None
@@ -154,10 +171,12 @@ class _FusedHeadLoss(torch.autograd.Function):
         acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 in exactness tests)
         W = lm_weight.to(dtype)  # [V, d]
         W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731 - once, not per chunk
+        hidden_c, markov_c, target_c = cast(hidden), cast(markov), cast(target_hidden)
         grad_h = torch.empty_like(hidden) if need[0] else None
         grad_z = torch.empty_like(markov) if need[1] else None
         grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        grad_dtype = dtype if want_grad else None
         stats = {"ce": [], "l1": [], "soft_ce": [], "match": []}
         math_fn = _get_chunk_math(opts["compile"])
         for start in range(0, hidden.shape[0], rows):
@@ -166,49 +185,47 @@ class _FusedHeadLoss(torch.autograd.Function):
             # The compiled math sees one shape only: the last, shorter chunk is padded with zero-weight rows
             # (one compilation instead of one per distinct chunk length; the padding is < one chunk per step).
             pad = rows - n if math_fn is not _chunk_math else 0
-            h = _pad_rows(hidden[sl].to(dtype), pad)  # [n + pad, d]
-            z = _pad_rows(markov[sl].to(dtype), pad) if markov is not None else None  # [n + pad, r]
+            h = _pad_rows(hidden_c[sl], pad)  # [n + pad, d]
+            z = _pad_rows(markov_c[sl], pad) if markov is not None else None  # [n + pad, r]
             a, b, c = (None if w is None else _pad_rows(w[sl], pad) for w in (w_ce, w_l1, w_soft))
             chunk_labels = _pad_rows(labels[sl], pad)
-            th = _pad_rows(target_hidden[sl].to(dtype), pad) if target_hidden is not None else None
+            th = _pad_rows(target_c[sl], pad) if target_hidden is not None else None
 
             def logits():  # draft and target logits, [n, V] each, before soft-capping
                 u = _mm_acc(h, W.T, acc)
                 if z is not None:
-                    u += _mm_acc(z, W2.T, acc)
+                    _addmm_acc_(u, z, W2.T)
                 ut = _mm_acc(th, W.T, acc) if th is not None else None
                 return u, ut
 
             try:
-                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, want_grad)
+                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
             except Exception as err:  # noqa: BLE001 - whatever the compiler raises, eager is correct
                 if math_fn is _chunk_math:
                     raise
                 logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
                 _COMPILED_CHUNK_MATH = math_fn = _chunk_math
-                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, want_grad)
+                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
             if pad:
                 ce, l1, soft_ce, match = (None if t is None else t[:n] for t in (ce, l1, soft_ce, match))
-                a, b, c = (None if w is None else w[:n] for w in (a, b, c))
                 g = None if g is None else g[:n]
-                h, z = h[:n], None if z is None else z[:n]
-            loss += (a * ce).sum()
-            if b is not None:
-                loss += (b * l1).sum()
-            if c is not None:
-                loss += (c * soft_ce).sum()
+                z = None if z is None else z[:n]
             for key, value in zip(stats, (ce, l1, soft_ce, match)):
                 stats[key].append(value)
-            if g is not None:
-                g = g.to(dtype)  # [n, V]
+            if g is not None:  # [n, V], already in the compute dtype
                 if grad_h is not None:
                     grad_h[sl] = g @ W
                 if grad_z is not None:
                     grad_z[sl] = g @ W2
                 if grad_w2 is not None:
-                    grad_w2 += _mm_acc(g.T, z, acc)
+                    _addmm_acc_(grad_w2, g.T, z)
             del g
         per_row = [torch.cat(v) if v and v[0] is not None else None for v in stats.values()]
+        # The weighted sums once over all rows: a few small kernels a call instead of a few a chunk.
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        for w, term in zip((w_ce, w_l1, w_soft), per_row):
+            if w is not None and term is not None:
+                loss += (w * term).sum()
         return _FusedHeadLoss._finish(ctx, (grad_h, grad_z, grad_w2), markov_weight, loss, per_row, hidden.device)
 
     @staticmethod
