@@ -65,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation)")
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--loss_backend", default=None, help="loss backend (auto/triton/torch) where supported")
+    p.add_argument("--compile_target", action="store_true", help="compile the online target's decoder layers")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
     p.add_argument("--dataloader_num_workers", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -89,7 +90,7 @@ def build(args, cuda: bool, output_dir: str):
         conversations = load_conversations(args.data)
         conversations = conversations.select(range(min(len(conversations), 64 * args.batch_size)))
         rows = tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
-    extra = {}
+    extra = {"compile_target": args.compile_target}
     if args.loss_backend is not None:
         extra["loss_backend"] = args.loss_backend
     training_args = bench_training_args(

@@ -63,11 +63,12 @@ def test_greedy_agreement_reports_divergence(generation_speed):
     assert row.extra["greedy_first_divergence"] == [1]
 
 
-def test_profile_training_smoke_reports_every_phase(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--compile_target"]], ids=["eager-target", "compiled-target"])
+def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
     spec = importlib.util.spec_from_file_location("profile_training", SCRIPT.parent / "profile_training.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = tmp_path / "profile.json"
-    report = module.main(["--device", "cpu", "--smoke", "--trace_steps", "0", "--output", str(out)])
+    report = module.main(["--device", "cpu", "--smoke", "--trace_steps", "0", "--output", str(out), *extra])
     assert set(report["phase_ms"]) == set(module.PHASES) and all(v > 0 for v in report["phase_ms"].values())
     assert report["trainer_step_ms"] > 0 and json.loads(out.read_text())["hardware"]["torch"]

@@ -489,3 +489,24 @@ def test_a_time_budget_replaces_the_step_bar_with_one_in_seconds(tmp_path):
     assert TrainingDeadline in kinds and ProgressCallback not in kinds
     hidden = DraftTrainer(args=make_args(tmp_path, max_train_minutes=1.0), train_dataset=tokenized_rows(), target_model=target)
     assert not next(c for c in hidden.callback_handler.callbacks if isinstance(c, TrainingDeadline)).show_progress
+
+
+def test_compiled_target_layers_train_like_eager_and_leave_the_target_untouched(tmp_path):
+    """compile_target: the online target's decoder layers run compiled inside the trainer's forward only; the
+    losses match the eager run's (float32 on CPU) and the target's layers keep their own forward afterwards."""
+    from torch._dynamo.utils import counters
+
+    from hf_dspark.target import decoder_layers
+
+    losses = {}
+    for compiled in (False, True):
+        counters.clear()
+        target = make_tiny_target("llama")
+        trainer = DraftTrainer(args=make_args(tmp_path, compile_target=compiled), train_dataset=tokenized_rows(),
+                               target_model=target)  # fmt: skip
+        trainer.train()
+        losses[compiled] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert all("forward" not in layer.__dict__ for layer in decoder_layers(target))
+    assert (trainer._compiled_target_layers is not None) and len(losses[True]) == 3
+    assert 1 <= counters["frames"]["ok"] <= 2  # it compiled: once for all layers (twice with a new length)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)

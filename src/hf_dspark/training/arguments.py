@@ -67,6 +67,11 @@ class DraftTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "torch.compile the loss's vocabulary-wide math (default: on CUDA; falls back to eager)."},
     )
+    compile_target: bool = field(
+        default=False,
+        metadata={"help": "torch.compile the online target's decoder layers for its no-grad forward (fused kernels, "
+                  "fewer launches; one layer's compilation serves all). Off by default until timed on a GPU."},
+    )
     loss_backend: str = field(
         default="torch",
         metadata={

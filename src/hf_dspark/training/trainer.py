@@ -36,7 +36,7 @@ from transformers.trainer_callback import ProgressCallback
 
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..models.anchors import sample_anchors
-from ..target import target_features
+from ..target import CompiledDecoderLayers, target_features
 from .arguments import DraftTrainingArguments
 from .checkpoints import resolve_resume_checkpoint
 from .collator import DraftDataCollator
@@ -168,8 +168,11 @@ class DraftTrainer(Trainer):
                 self.remove_callback(ProgressCallback)  # a step bar would show max_steps and its ETA
             self.add_callback(self.deadline)
         self.target_model = None
+        self._compiled_target_layers = None
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
+            if getattr(self.args, "compile_target", False):
+                self._compiled_target_layers = CompiledDecoderLayers(self.target_model)
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
@@ -249,9 +252,10 @@ class DraftTrainer(Trainer):
                 "the batch has no target features: pass target_model=... to DraftTrainer (online training) or "
                 "train from a target cache (build_target_cache + load_target_cache)"
             )
-        context, last = target_features(
-            self.target_model, inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"]
-        )
+        with self._compiled_target_layers or contextlib.nullcontext():
+            context, last = target_features(
+                self.target_model, inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"]
+            )
         return {"context_features": context, "target_last_hidden": last}
 
     def _anchor_generator(self, mode: str, inputs) -> torch.Generator:
