@@ -66,6 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--loss_backend", default=None, help="loss backend (auto/triton/torch) where supported")
     p.add_argument("--compile_target", action="store_true", help="compile the online target's decoder layers")
+    p.add_argument("--torch_compile", action="store_true",
+                   help="the Trainer's torch_compile=True (the draft compiled; the trainer step's time shows it)")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
     p.add_argument("--dataloader_num_workers", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -90,7 +92,7 @@ def build(args, cuda: bool, output_dir: str):
         conversations = load_conversations(args.data)
         conversations = conversations.select(range(min(len(conversations), 64 * args.batch_size)))
         rows = tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
-    extra = {"compile_target": args.compile_target}
+    extra = {"compile_target": args.compile_target, "torch_compile": args.torch_compile}
     if args.loss_backend is not None:
         extra["loss_backend"] = args.loss_backend
     training_args = bench_training_args(

@@ -63,7 +63,7 @@ def test_greedy_agreement_reports_divergence(generation_speed):
     assert row.extra["greedy_first_divergence"] == [1]
 
 
-@pytest.mark.parametrize("extra", [[], ["--compile_target"]], ids=["eager-target", "compiled-target"])
+@pytest.mark.parametrize("extra", [[], ["--compile_target", "--torch_compile"]], ids=["eager", "compiled"])
 def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
     spec = importlib.util.spec_from_file_location("profile_training", SCRIPT.parent / "profile_training.py")
     module = importlib.util.module_from_spec(spec)
