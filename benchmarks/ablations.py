@@ -11,7 +11,8 @@ runs with each other (same sharing), not with runs made alone.
 
 Every variant is the default recipe (`examples/train_dspark.py` with no flags) plus the flags listed in VARIANTS,
 so one flag changes at a time. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
-reached, the held-out τ curve) and prints a table of the last held-out τ_prob and τ_greedy.
+reached, the held-out τ curve by step and training time) and ablations.png (held-out τ_prob against training time),
+and prints a table of the last held-out τ_prob and τ_greedy.
 
     python benchmarks/ablations.py --device cpu --smoke --output_dir /tmp/ablations   # tiny CPU check
 """
@@ -95,7 +96,7 @@ def curve(folder: Path) -> list[dict]:
     if not state.exists():
         return []
     history = json.loads(state.read_text()).get("log_history", [])
-    keys = ("eval_tau_prob", "eval_tau_greedy", "eval_loss")
+    keys = ("eval_tau_prob", "eval_tau_greedy", "eval_loss", "elapsed_s")
     return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if "eval_tau_prob" in h]
 
 
@@ -145,12 +146,35 @@ def main(argv=None) -> dict:
         "variants": results,
     }
     (root / "ablations.json").write_text(json.dumps(report, indent=2))
+    plot_curves(results, root / "ablations.png")
     print("| variant | flags | last step | held-out τ_prob | held-out τ_greedy |\n|---|---|---|---|---|")
     for name, r in results.items():
         last = r["held_out"][-1] if r["held_out"] else {}
         print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | "
               f"{last.get('eval_tau_prob', float('nan')):.3f} | {last.get('eval_tau_greedy', float('nan')):.3f} |")
     return report
+
+
+def plot_curves(results: dict, path: Path) -> None:
+    """Held-out τ_prob against training time (seconds since each run's train() began), one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        points = [p for p in r["held_out"] if "elapsed_s" in p]
+        if points:
+            ax.plot([p["elapsed_s"] for p in points], [p["eval_tau_prob"] for p in points], marker="o", label=name)
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("held-out τ_prob")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _hardware(device: str) -> dict:

@@ -159,3 +159,23 @@ def test_resume_true_means_the_newest_checkpoint_and_fails_clearly_without_one(t
     (tmp_path / "checkpoint-5").mkdir()
     with pytest.raises(ValueError, match="only incomplete ones: checkpoint-5"):
         resolve_resume_checkpoint("latest", tmp_path)
+
+
+def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_path):
+    """benchmarks/ablations.py --smoke: each variant is its own train_dspark.py run; the report holds every run's
+    held-out τ by step and by training time, and the plot of τ against time is written."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
+    ablations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablations)
+    out = tmp_path / "abl"
+    report = ablations.main(["--smoke", "--target", str(tiny_setup / "target"), "--data", str(tiny_setup / "chats.jsonl"),
+                             "--output_dir", str(out), "--variants", "baseline", "sequence_normalization"])  # fmt: skip
+    assert set(report["variants"]) == {"baseline", "sequence_normalization"}
+    for name, run in report["variants"].items():
+        assert run["returncode"] == 0, (out / f"{name}.log").read_text()[-2000:]
+        assert run["held_out"] and all(p["elapsed_s"] > 0 and p["eval_tau_prob"] >= 1.0 for p in run["held_out"])
+        assert [p["elapsed_s"] for p in run["held_out"]] == sorted(p["elapsed_s"] for p in run["held_out"])
+    assert json.loads((out / "ablations.json").read_text())["variants"].keys() == report["variants"].keys()
+    assert (out / "ablations.png").stat().st_size > 1000

@@ -92,9 +92,10 @@ def steps_logged(out: str) -> int:
 
 def logged_losses(output_dir: Path) -> list[dict]:
     """Every per-step training log (loss, grad_norm, learning rate, the objective's terms) of the final
-    checkpoint's trainer_state.json: a resumed run's history carries over from its checkpoint."""
+    checkpoint's trainer_state.json: a resumed run's history carries over from its checkpoint. Wall-clock entries
+    (elapsed_s) are left out: they are the one thing a repeated run does not repeat."""
     state = json.loads((output_dir / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
-    logs = [entry for entry in state["log_history"] if "loss" in entry]
+    logs = [{k: v for k, v in entry.items() if k != "elapsed_s"} for entry in state["log_history"] if "loss" in entry]
     assert [entry["step"] for entry in logs] == list(range(1, MAX_STEPS + 1))
     return logs
 

@@ -176,6 +176,7 @@ class DraftTrainer(Trainer):
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
+        self._train_started: float | None = None
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints: True (or "true"/"latest") takes the newest
@@ -183,6 +184,7 @@ class DraftTrainer(Trainer):
         resume = resolve_resume_checkpoint(
             resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
         )
+        self._train_started = time.monotonic()  # logs carry elapsed_s: held-out tau against training time
         return super().train(resume, *args, **kwargs)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -345,6 +347,8 @@ class DraftTrainer(Trainer):
             logs.update({prefix + k: v for k, v in self._summarize(mode).items()})
         if mode == "train" and self.deadline is not None and self.deadline.planned_steps is not None:
             logs["planned_steps"] = self.deadline.planned_steps
+        if self._train_started is not None:
+            logs["elapsed_s"] = round(time.monotonic() - self._train_started, 1)  # since this train() call began
         if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
             # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
             steps = self.state.global_step
