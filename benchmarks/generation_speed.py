@@ -187,8 +187,10 @@ def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, 
     if static is not None:
         static.warm_up(batches, timed_generate)  # compiles the decoding step once per batch shape, for the whole run
     else:
-        for warm in {len(batches[0]): batches[0], len(batches[-1]): batches[-1]}.values():
-            # Warm-up, once per batch shape (this also profiles and caches the prefix scheduler's SPS table).
+        # Warm-up, once per batch shape (this also profiles and caches the prefix scheduler's SPS table), with the
+        # longest prompts last: the static paths' buffers (kept between calls) are then sized for every timed call.
+        longest = max(batches, key=lambda batch: max(len(p) for p in batch))
+        for warm in [*{len(batches[0]): batches[0], len(batches[-1]): batches[-1]}.values(), longest]:
             timed_generate(warm)
     tokens, seconds, outputs, stats = 0, 0.0, [], None
     torch.manual_seed(args.seed)

@@ -158,3 +158,23 @@ def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path, capsys
                  str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")])
     assert code == 2
     assert "turns" in capsys.readouterr().err
+
+
+def test_drafts_warm_up_on_the_longest_batch_so_timed_calls_keep_their_static_buffers(workdir, tmp_path, monkeypatch):
+    """The static verification buffers are kept between calls and sized by the first call that needs them: the
+    warm-up runs the longest prompt batch of every dataset, so no timed call builds (on CUDA: captures) new ones."""
+    from hf_dspark import evaluate_drafts
+    from hf_dspark.generation import target_graphs
+    from hf_dspark.resources import load_target
+
+    short, long_ = tmp_path / "short.jsonl", tmp_path / "long.jsonl"
+    short.write_text(json.dumps({"turns": ["Hi."]}) + "\n")
+    long_.write_text(json.dumps({"turns": ["word " * 260]}) + "\n")  # past the first capacity step
+    target, tokenizer = load_target(workdir / "target")
+    draft = DSparkModel.from_pretrained(workdir / "dspark")
+    built = []
+    runner = target_graphs.StaticTargetRunner
+    monkeypatch.setattr(target_graphs, "StaticTargetRunner", lambda *a, **k: built.append(a) or runner(*a, **k))
+    evaluate_drafts(target, tokenizer, {"dspark": draft}, [short, long_], max_new_tokens=8, batch_size=1,
+                    progress=False, plots=False, generate_kwargs={"dspark_target_graphs": True})  # fmt: skip
+    assert len(built) == 1  # the warm-up's: every timed call of both datasets reused it
