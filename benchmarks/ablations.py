@@ -12,7 +12,9 @@ runs with each other (same sharing), not with runs made alone.
 Every variant is the default recipe (`examples/train_dspark.py` with no flags) plus the flags listed in VARIANTS,
 so one flag changes at a time. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
 reached, the held-out τ curve by step and training time) and ablations.png (held-out τ_prob against training time),
-and prints a table of the last held-out τ_prob and τ_greedy.
+and prints a table of the last held-out τ_prob and τ_greedy. With `--eval_data`, every variant's draft is then
+decoded on those prompt files by `hf-dspark eval` (T 0 and 1; the three drafters: `--variants baseline dflash
+eagle3`), and the report adds each variant's τ per file and temperature.
 
     python benchmarks/ablations.py --device cpu --smoke --output_dir /tmp/ablations   # tiny CPU check
 """
@@ -67,6 +69,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--smoke", action="store_true", help="tiny runs on CPU (checks the driver, not the recipe)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval_data", nargs="+", default=None, metavar="FILE",
+                   help='after the runs, `hf-dspark eval` of every variant\'s draft on these {"turns": [...]} prompt '
+                   "files (T 0 and 1): decoding τ side by side, in OUTPUT_DIR/eval and the report")
+    p.add_argument("--eval_prompts", type=int, default=16, help="prompts per file for --eval_data")
+    p.add_argument("--eval_max_new_tokens", type=int, default=256)
+    p.add_argument("--eval_batch_size", type=int, default=16)
     return p.parse_args(argv)
 
 
@@ -145,6 +153,8 @@ def main(argv=None) -> dict:
         "runs_per_gpu": args.runs_per_gpu,
         "variants": results,
     }
+    if args.eval_data:
+        report["decoding_eval"] = decoding_eval(args, root, results)
     (root / "ablations.json").write_text(json.dumps(report, indent=2))
     plot_curves(results, root / "ablations.png")
     print("| variant | flags | last step | held-out τ_prob | held-out τ_greedy |\n|---|---|---|---|---|")
@@ -153,6 +163,31 @@ def main(argv=None) -> dict:
         print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | "
               f"{last.get('eval_tau_prob', float('nan')):.3f} | {last.get('eval_tau_greedy', float('nan')):.3f} |")
     return report
+
+
+def decoding_eval(args, root: Path, results: dict) -> dict:
+    """`hf-dspark eval` of every finished variant's draft in one process (the target loaded once, the same prompts
+    and seeds for all): {"command", "returncode", "tau": {variant: {dataset@T: τ}}}."""
+    drafts = [f"{name}={root / name}" for name, r in results.items() if r["returncode"] == 0 and (root / name).is_dir()]
+    if not drafts:
+        return {"returncode": None, "note": "no finished draft to evaluate"}
+    out = root / "eval"
+    cmd = [sys.executable, "-m", "hf_dspark.cli", "eval", "--draft", *drafts, "--data", *args.eval_data,
+           "--output_dir", str(out), "--num_prompts", str(args.eval_prompts), "--max_new_tokens",
+           str(args.eval_max_new_tokens), "--batch_size", str(args.eval_batch_size), "--temperature", "0", "1",
+           "--seed", str(args.seed), "--no_progress", "--no_plots"]  # fmt: skip
+    if args.target:
+        cmd += ["--target", args.target]
+    if args.device == "cpu":
+        cmd += ["--device", "cpu"]
+    with open(root / "eval.log", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    tau: dict = {}
+    if code == 0:
+        for row in json.loads((out / "results.json").read_text())["results"]:
+            tau.setdefault(row["drafter"], {})[f"{row['dataset']}@T{row['temperature']:g}"] = row["tau"]
+    print(f"decoding eval (rc {code}): " + "; ".join(f"{k}: {v}" for k, v in tau.items()), flush=True)
+    return {"command": " ".join(cmd[1:]), "returncode": code, "tau": tau}
 
 
 def plot_curves(results: dict, path: Path) -> None:

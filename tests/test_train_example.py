@@ -163,15 +163,19 @@ def test_resume_true_means_the_newest_checkpoint_and_fails_clearly_without_one(t
 
 def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_path):
     """benchmarks/ablations.py --smoke: each variant is its own train_dspark.py run; the report holds every run's
-    held-out τ by step and by training time, and the plot of τ against time is written."""
+    held-out τ by step and by training time and each draft's decoding τ (--eval_data); the plot is written."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
     ablations = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ablations)
     out = tmp_path / "abl"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"What is {i} plus {i}?"]}) + "\n" for i in range(3)))
     report = ablations.main(["--smoke", "--target", str(tiny_setup / "target"), "--data", str(tiny_setup / "chats.jsonl"),
-                             "--output_dir", str(out), "--variants", "baseline", "sequence_normalization"])  # fmt: skip
+                             "--output_dir", str(out), "--variants", "baseline", "sequence_normalization",
+                             "--eval_data", str(prompts), "--eval_prompts", "2", "--eval_max_new_tokens", "8",
+                             "--eval_batch_size", "2"])  # fmt: skip
     assert set(report["variants"]) == {"baseline", "sequence_normalization"}
     for name, run in report["variants"].items():
         assert run["returncode"] == 0, (out / f"{name}.log").read_text()[-2000:]
@@ -179,3 +183,8 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
         assert [p["elapsed_s"] for p in run["held_out"]] == sorted(p["elapsed_s"] for p in run["held_out"])
     assert json.loads((out / "ablations.json").read_text())["variants"].keys() == report["variants"].keys()
     assert (out / "ablations.png").stat().st_size > 1000
+    # Every variant's draft decoded on the same prompts, greedy and T = 1.
+    decoding = report["decoding_eval"]
+    assert decoding["returncode"] == 0, (out / "eval.log").read_text()[-2000:]
+    assert set(decoding["tau"]) == {"baseline", "sequence_normalization"}
+    assert all(set(t) == {"prompts@T0", "prompts@T1"} and min(t.values()) >= 1.0 for t in decoding["tau"].values())
