@@ -179,6 +179,30 @@ def test_addmm_acc_adds_the_product_into_the_accumulator_in_place(dtype):
     torch.testing.assert_close(c, want, **({} if dtype == torch.float64 else dict(rtol=1e-2, atol=1e-2)))
 
 
+@pytest.mark.parametrize("fault", ["wrong result", "unsupported"])
+def test_the_fused_addmm_is_checked_once_and_dropped_when_it_fails(fault, monkeypatch):
+    """The GEMM that adds bf16 products into an fp32 accumulator (CUDA) is compared with the plain product on its
+    first use: a kernel that errs or disagrees is never used, and that first result is still right."""
+    from hf_dspark.training import loss_buffers
+
+    def fake_addmm(c, a, b, out_dtype=None, out=None):
+        if fault == "unsupported":
+            raise TypeError("addmm() got an unexpected keyword argument 'out_dtype'")
+        return out.add_(1.0)  # a wrong result
+
+    monkeypatch.setattr(loss_buffers, "_ADDMM_OUT_DTYPE_OK", None)
+    monkeypatch.setattr(loss_buffers, "_fused_addmm_applies", lambda c, a: True)
+    monkeypatch.setattr(loss_buffers.torch, "addmm", fake_addmm)
+    gen = torch.Generator().manual_seed(5)
+    c = torch.randn(4, 6, generator=gen)
+    a, b = torch.randn(4, 3, generator=gen).bfloat16(), torch.randn(6, 3, generator=gen).bfloat16().T
+    want = c + (a @ b).float()
+    assert loss_buffers._addmm_acc_(c, a, b) is c
+    torch.testing.assert_close(c, want)
+    assert loss_buffers._ADDMM_OUT_DTYPE_OK is False
+    torch.testing.assert_close(loss_buffers._addmm_acc_(c, a, b), want + (a @ b).float())  # the plain path now
+
+
 def test_fused_head_loss_refuses_a_trainable_lm_head():
     W = torch.randn(10, 4, requires_grad=True)
     with pytest.raises(ValueError, match="freeze_target_io"):

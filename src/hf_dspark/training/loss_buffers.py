@@ -3,7 +3,11 @@ accumulates half-precision inputs into float32 (losses.py, triton_head_loss.py).
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Elements of one [rows, V] fp32 buffer per chunk (2**26 = 256 MiB): 384 rows at V = 151,936.
 DEFAULT_CHUNK_ELEMENTS = 2**26
@@ -30,7 +34,14 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.T
     return (a @ b).to(acc_dtype)
 
 
-_ADDMM_OUT_DTYPE_OK = True  # the same for torch.addmm(c, a, b, out_dtype=fp32, out=c)
+# torch.addmm(c, a, b, out_dtype=fp32, out=c) for bf16/fp16 a, b: None until its first use, which is checked
+# against the plain product (one host sync per process), then True; False after a failure or a mismatch.
+_ADDMM_OUT_DTYPE_OK: bool | None = None
+
+
+def _fused_addmm_applies(c: torch.Tensor, a: torch.Tensor) -> bool:
+    """Where the GEMM can add half-precision products straight into an fp32 accumulator (CUDA kernels)."""
+    return c.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and c.dtype == torch.float32
 
 
 def _addmm_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -39,11 +50,19 @@ def _addmm_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     global _ADDMM_OUT_DTYPE_OK
     if a.dtype == c.dtype:
         return c.addmm_(a, b)
-    if _ADDMM_OUT_DTYPE_OK and c.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and c.dtype == torch.float32:
+    if _ADDMM_OUT_DTYPE_OK is not False and _fused_addmm_applies(c, a):
+        expected = c + _mm_acc(a, b, c.dtype) if _ADDMM_OUT_DTYPE_OK is None else None
         try:
-            return torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
+            torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
         except (TypeError, RuntimeError, NotImplementedError):
             _ADDMM_OUT_DTYPE_OK = False
+            return c.copy_(expected) if expected is not None else c.add_(_mm_acc(a, b, c.dtype))
+        if expected is not None:  # never a silently wrong loss from an untried kernel
+            _ADDMM_OUT_DTYPE_OK = bool(torch.allclose(c, expected, rtol=1e-3, atol=1e-3))
+            if not _ADDMM_OUT_DTYPE_OK:
+                logger.warning("torch.addmm(out_dtype=float32) disagrees with the plain product here; not using it")
+                c.copy_(expected)
+        return c
     return c.add_(_mm_acc(a, b, c.dtype))
 
 
