@@ -257,8 +257,14 @@ def _static_suits_schedule(model, config: SpeculativeConfig, rows: int, width: i
         return True
     if config.schedule != "prefix":
         return False
-    table = SPSTable.from_any(config.sps_table) if config.sps_table is not None else load_or_profile_sps(model, rows)
-    return verify_cost_is_flat(table, rows, width)
+    return verify_cost_is_flat(_prefix_cost_table(model, config, rows), rows, width)
+
+
+def _prefix_cost_table(model, config: SpeculativeConfig, rows: int) -> SPSTable:
+    """The prefix scheduler's SPS table: the one given, else the target's profiled one for `rows` rows (cached)."""
+    if config.sps_table is not None:
+        return SPSTable.from_any(config.sps_table)
+    return load_or_profile_sps(model, batch_size=rows)
 
 
 def _num_draft_tokens(draft, config: SpeculativeConfig) -> int:
@@ -755,11 +761,8 @@ class _Decoder:
         if schedule == "threshold":
             return threshold_schedule(conf, float(self.config.threshold), caps)
         if self.sps_table is None:
-            if self.config.sps_table is not None:
-                self.sps_table = SPSTable.from_any(self.config.sps_table)
-            else:
-                # Keyed by the batch this run started with (rows leave as they finish; profile once per shape).
-                self.sps_table = load_or_profile_sps(self.model, batch_size=self.run_rows)
+            # Keyed by the batch this run started with (rows leave as they finish; profile once per shape).
+            self.sps_table = _prefix_cost_table(self.model, self.config, self.run_rows)
         return prefix_schedule(conf, self.sps_table, max_lengths=caps)
 
     def _round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner=None, local_t=None,

@@ -436,7 +436,7 @@ class TrainingDeadline(TrainerCallback):
         self.fit_schedule = fit_schedule
         self.planned_steps: int | None = None
         self.start = None
-        self.mark = None  # (step, seconds) where the rate measurement begins
+        self.mark: int | None = None  # the step after which steps are timed
         self.durations: collections.deque = collections.deque(maxlen=self.WINDOW)  # recent step times
         self.pause_seconds = 0.0  # evaluations and saves since the mark
         self._last_end = None
@@ -481,14 +481,14 @@ class TrainingDeadline(TrainerCallback):
             return None
         cap = self.CLIP * statistics.median(self.durations)
         typical = sum(min(d, cap) for d in self.durations) / len(self.durations)
-        return typical + self.pause_seconds / max(1, step - self.mark[0])
+        return typical + self.pause_seconds / max(1, step - self.mark)
 
     def _plan(self, step: int, elapsed: float, cap: int) -> int | None:
         """The schedule's total from the steps timed since the mark (None until there are enough)."""
-        typical = self.step_seconds(step)
-        if typical is None:
+        per_step = self.step_seconds(step)
+        if per_step is None:
             return self.planned_steps
-        total = step + int(max(0.0, self.seconds - elapsed) / max(typical, 1e-9))
+        total = step + int(max(0.0, self.seconds - elapsed) / max(per_step, 1e-9))
         if cap > 0 and total > cap:
             if not self._capped_warned:
                 logger.warning(
@@ -516,7 +516,7 @@ class TrainingDeadline(TrainerCallback):
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.refresh()
         if self.fit_schedule and step == self.MARK_STEP:
-            self.mark = (step, elapsed)
+            self.mark = step
         over = self.start is not None and elapsed >= self.seconds
         decide = step % self.PLAN_EVERY == 0
         plan = self._plan(step, elapsed, state.max_steps) if self.fit_schedule and decide else self.planned_steps
