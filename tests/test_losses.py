@@ -191,7 +191,8 @@ def test_the_fused_addmm_is_checked_once_and_dropped_when_it_fails(fault, monkey
         return out.add_(1.0)  # a wrong result
 
     monkeypatch.setattr(loss_buffers, "_ADDMM_OUT_DTYPE_OK", None)
-    monkeypatch.setattr(loss_buffers, "_fused_addmm_applies", lambda c, a: True)
+    monkeypatch.setattr(loss_buffers, "_gemm_accumulates", lambda a, acc_dtype: True)
+    monkeypatch.setattr(loss_buffers, "_MM_OUT_DTYPE_OK", False)  # the plain product, as the reference
     monkeypatch.setattr(loss_buffers.torch, "addmm", fake_addmm)
     gen = torch.Generator().manual_seed(5)
     c = torch.randn(4, 6, generator=gen)

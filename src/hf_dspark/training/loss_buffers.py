@@ -23,10 +23,15 @@ def chunk_rows(vocab_size: int, chunk_elements: int | None = None) -> int:
 _MM_OUT_DTYPE_OK = True  # torch.mm(..., out_dtype=fp32) for bf16/fp16 inputs (CUDA kernels); probed on first use
 
 
+def _gemm_accumulates(a: torch.Tensor, acc_dtype: torch.dtype) -> bool:
+    """Where a GEMM can take half-precision inputs and accumulate (and write) fp32 itself (CUDA kernels)."""
+    return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32
+
+
 def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
     """a @ b returned in acc_dtype; half-precision inputs accumulate straight into fp32 where supported."""
     global _MM_OUT_DTYPE_OK
-    if _MM_OUT_DTYPE_OK and a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32:
+    if _MM_OUT_DTYPE_OK and _gemm_accumulates(a, acc_dtype):
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
@@ -39,18 +44,13 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.T
 _ADDMM_OUT_DTYPE_OK: bool | None = None
 
 
-def _fused_addmm_applies(c: torch.Tensor, a: torch.Tensor) -> bool:
-    """Where the GEMM can add half-precision products straight into an fp32 accumulator (CUDA kernels)."""
-    return c.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and c.dtype == torch.float32
-
-
 def _addmm_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """c += a @ b in place, c in the accumulation dtype: the GEMM adds into c where it can (no product tensor and
     no separate pass over c), else the product is added."""
     global _ADDMM_OUT_DTYPE_OK
     if a.dtype == c.dtype:
         return c.addmm_(a, b)
-    if _ADDMM_OUT_DTYPE_OK is not False and _fused_addmm_applies(c, a):
+    if _ADDMM_OUT_DTYPE_OK is not False and _gemm_accumulates(a, c.dtype):
         expected = c + _mm_acc(a, b, c.dtype) if _ADDMM_OUT_DTYPE_OK is None else None
         try:
             torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
