@@ -5,10 +5,10 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   prompt_lookup transformers' prompt lookup decoding (prompt_lookup_num_tokens; transformers runs it at batch 1 only)
   <draft>       each draft, whole blocks verified
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
-  <draft>/static, /dynamic, /eager, /fused, /compiled   with --compare-paths: the static verification path (the
-                verify forward replayed as a CUDA graph; the default on CUDA), the dynamic cache, no CUDA graphs at
-                all, whole rounds as one graph (dspark_fused_round), the static path with its verify forward
-                compiled before capture (dspark_compile)
+  <draft>/static, /dynamic, /eager, /fused, /compiled   with --compare-paths: the static verification path with
+                its verify forward uncompiled (replayed as a CUDA graph), the dynamic cache, no CUDA graphs at all,
+                whole rounds as one graph (dspark_fused_round; verify forward compiled as by default), the static
+                path with its verify forward compiled before capture (dspark_compile; the default on CUDA)
   target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
                 generate() on CUDA), the fastest target-alone baseline. Not plain cache_implementation="static":
                 generate() sizes each call's new StaticCache by that call's prompt length + max_new_tokens (never
@@ -87,9 +87,10 @@ def parse_args(argv=None):
                         help="also time target.generate() on a static cache (compiled by generate where it can), one "
                         "cache length for the whole run, each batch shape warmed up untimed")
     parser.add_argument("--compare-paths", action="store_true",
-                        help="also time each draft on each decoding path: /static (dspark_target_graphs=True), /dynamic "
-                        "(dspark_target_graphs=False), /eager (no CUDA graphs at all), /fused (whole rounds as one "
-                        "graph, dspark_fused_round=True) and /compiled (the verify forward compiled, dspark_compile=True)")
+                        help="also time each draft on each decoding path: /static (dspark_target_graphs=True, "
+                        "dspark_compile=False), /dynamic (dspark_target_graphs=False), /eager (no CUDA graphs at all), "
+                        "/fused (whole rounds as one graph, dspark_fused_round=True) and /compiled (the verify forward "
+                        "compiled, dspark_compile=True; the default on CUDA)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--profile", default=None, metavar="FILE",
@@ -241,7 +242,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                 variants = [(name, {})]  # generate()'s defaults: what a user gets
                 if args.compare_paths:
                     variants += [
-                        (f"{name}/static", {"dspark_target_graphs": True}),
+                        (f"{name}/static", {"dspark_target_graphs": True, "dspark_compile": False}),
                         (f"{name}/dynamic", {"dspark_target_graphs": False}),
                         (f"{name}/eager", {"dspark_target_graphs": False, "dspark_draft_graphs": False}),
                         (f"{name}/fused", {"dspark_target_graphs": True, "dspark_fused_round": True}),

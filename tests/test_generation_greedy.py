@@ -346,6 +346,23 @@ def test_static_buffers_are_reused_across_calls_without_carrying_state(path):
     assert held() is not runner
 
 
+def test_compile_defaults_to_cuda_only():
+    """dspark_compile="auto" (the default) compiles only where the static path runs on CUDA: a static path forced
+    on CPU stays uncompiled (nothing goes through dynamo), and a value outside True/False/"auto" names the choices."""
+    from torch._dynamo.utils import counters
+
+    target = _target("llama", "sdpa")
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    kw = dict(max_new_tokens=8, do_sample=False)
+    counters.clear()
+    out = target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_target_graphs=True, **kw)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **kw))
+    assert counters["frames"]["ok"] == 0
+    with pytest.raises(ValueError, match="dspark_compile must be True, False or 'auto'"):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_compile="yes", **kw)
+
+
 def test_compiled_verify_forward_matches_and_serves_later_calls():
     """dspark_compile: the static path's verify forward through torch.compile (inductor; on CUDA it is then
     captured) is greedy-equal, alone and inside the fused round, and the kept runner's compiled function serves
