@@ -65,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation)")
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--loss_backend", default=None, help="loss backend (auto/triton/torch) where supported")
-    p.add_argument("--compile_target", action="store_true", help="compile the online target's decoder layers")
+    p.add_argument("--compile_target", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the online target's decoder layers (default: the trainer's, on CUDA)")
     p.add_argument("--torch_compile", action="store_true",
                    help="the Trainer's torch_compile=True (the draft compiled; the trainer step's time shows it)")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
@@ -243,7 +244,9 @@ def main(argv=None):
         "benchmark": "profile_training",
         "command": "python " + " ".join(sys.argv),
         "hardware": hardware(args.device),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "table")},
+        # What ran: defaults (None) resolved by the trainer's arguments.
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "table")}
+        | {"compile_target": trainer.args.compile_target, "compile_loss": trainer.args.compile_loss},
         "setup_s": setup_s,
         "time_to_first_step_end_s": first_s,
         "trainer_step_ms": statistics.median(step_s) * 1e3 if step_s else None,
