@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk_elements", type=int, default=DEFAULT_CHUNK_ELEMENTS, help="loss buffer size per chunk")
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the loss math (default: on CUDA; falls back to eager on failure)")  # fmt: skip
+    p.add_argument("--loss_backend", default="torch", choices=["torch", "triton", "auto"],
+                   help="the vocabulary-wide loss's backend (default: torch, the trainer's default; auto: Triton on CUDA)")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute decoder layers in backward")
     p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
     p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
@@ -138,7 +140,8 @@ def main(argv=None):
         positions, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, fixed_count=True)
         out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
                     anchor_mask=valid)  # fmt: skip
-        result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss)
+        result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss,
+                                  backend=args.loss_backend)  # fmt: skip
         result.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -183,6 +186,7 @@ def main(argv=None):
         "dtype": args.dtype,
         "attention": "flex" if draft._use_flex(device) else "dense",
         "compile_loss": args.compile_loss,
+        "loss_backend": args.loss_backend,
         "gradient_checkpointing": args.gradient_checkpointing,
         "chunk_elements": args.chunk_elements,
         "shapes": {
@@ -210,7 +214,7 @@ def main(argv=None):
         ("shapes", f"d={cfg.hidden_size} L={cfg.num_hidden_layers} V={cfg.vocab_size} K={cfg.block_size} "
                    f"N={cfg.num_anchors} T={seq_len}"),
         ("trainable params", f"{result['trainable_params'] / 1e6:.1f} M"),
-        ("attention / compiled loss", f"{result['attention']} / {args.compile_loss}"),
+        ("attention / loss backend / compiled", f"{result['attention']} / {args.loss_backend} / {args.compile_loss}"),
         ("step time (median of %d)" % args.steps, f"{step_ms:.1f} ms   (goal 41 ms; DeepSpec 110 ms)"),
         ("supervised block tokens/s", f"{result['supervised_block_tokens_per_s'] / 1e3:.1f} k   (goal 86 k)"),
         (f"peak memory ({result['peak_memory_kind']})", f"{peak_gib:.2f} GiB   (goal 11.4 GiB; DeepSpec 23.9)"),
