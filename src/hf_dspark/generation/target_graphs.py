@@ -25,6 +25,7 @@ sliding-window layers.
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 
 import torch
@@ -140,6 +141,7 @@ class StaticTargetRunner:
 
     def _capture(self) -> None:
         # The warm-up runs (which also compile) write only uncommitted columns, which no row reads.
+        start = time.perf_counter()
         try:
             self._graph, self._outputs = capture(self._run)
         except Exception as err:  # noqa: BLE001 - the uncompiled forward computes the same thing
@@ -148,6 +150,10 @@ class StaticTargetRunner:
             logger.warning("compiled verify forward failed (%s: %s); capturing it uncompiled", type(err).__name__, err)
             self._run, self.compiled = self._forward, False
             self._graph, self._outputs = capture(self._run)
+        if self.compiled:  # a first call's pause of tens of seconds deserves a word
+            logger.info("compiled and captured the verify forward for %d rows x %d tokens (cache %d) in %.1f s; kept "
+                        "for later calls of this shape (dspark_compile=False skips compiling)", self.rows, self.width,
+                        self.capacity, time.perf_counter() - start)  # fmt: skip
 
     # -- what the decoding loop calls -----------------------------------------------------------------------
 
