@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -108,6 +109,23 @@ def curve(folder: Path) -> list[dict]:
     return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if "eval_tau_prob" in h]
 
 
+def step_rate(folder: Path) -> dict:
+    """Training speed from the run's log: when the first training log came (compilation included) and the median
+    seconds a step between training logs, each interval starting after that step's evaluation (not counting it)."""
+    state = folder / "trainer_state.json"
+    history = json.loads(state.read_text()).get("log_history", []) if state.exists() else []
+    ends: dict[int, float] = {}  # step -> the last elapsed_s logged at it (after its evaluation, if any)
+    for h in history:
+        if "elapsed_s" in h:
+            ends[h["step"]] = max(ends.get(h["step"], 0.0), h["elapsed_s"])
+    train = [(h["step"], h["elapsed_s"]) for h in history if "loss" in h and "elapsed_s" in h]
+    rates = [(e1 - ends[s0]) / (s1 - s0) for (s0, _), (s1, e1) in zip(train, train[1:]) if s1 > s0]
+    return {
+        "first_log": {"step": train[0][0], "elapsed_s": train[0][1]} if train else None,
+        "seconds_per_step": statistics.median(rates) if rates else None,
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.smoke:
@@ -143,7 +161,7 @@ def main(argv=None) -> dict:
             free.append(gpu)
             points = curve(root / name)
             results[name] = {"flags": VARIANTS[name], "returncode": proc.returncode,
-                             "wall_s": time.monotonic() - start, "held_out": points}  # fmt: skip
+                             "wall_s": time.monotonic() - start, "held_out": points, **step_rate(root / name)}  # fmt: skip
             print(f"finished {name} (rc {proc.returncode}): {points[-1] if points else 'no evaluation'}", flush=True)
     report = {
         "benchmark": "ablations",
@@ -157,10 +175,11 @@ def main(argv=None) -> dict:
         report["decoding_eval"] = decoding_eval(args, root, results)
     (root / "ablations.json").write_text(json.dumps(report, indent=2))
     plot_curves(results, root / "ablations.png")
-    print("| variant | flags | last step | held-out τ_prob | held-out τ_greedy |\n|---|---|---|---|---|")
+    print("| variant | flags | last step | s/step | held-out τ_prob | held-out τ_greedy |\n|---|---|---|---|---|---|")
     for name, r in results.items():
         last = r["held_out"][-1] if r["held_out"] else {}
-        print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | "
+        rate = f"{r['seconds_per_step']:.3f}" if r.get("seconds_per_step") else "-"
+        print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | {rate} | "
               f"{last.get('eval_tau_prob', float('nan')):.3f} | {last.get('eval_tau_greedy', float('nan')):.3f} |")
     return report
 

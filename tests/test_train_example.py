@@ -161,6 +161,24 @@ def test_resume_true_means_the_newest_checkpoint_and_fails_clearly_without_one(t
         resolve_resume_checkpoint("latest", tmp_path)
 
 
+def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
+    """The reported seconds a step come from the intervals between training logs, each started after its step's
+    evaluation; the first log's time (compilation included) is reported apart."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
+    ablations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablations)
+    history = [{"loss": 3.0, "step": 100, "elapsed_s": 60.0}, {"eval_tau_prob": 1.2, "step": 100, "elapsed_s": 70.0},
+               {"loss": 2.5, "step": 200, "elapsed_s": 80.0}, {"eval_tau_prob": 1.3, "step": 200, "elapsed_s": 90.0},
+               {"loss": 2.4, "step": 300, "elapsed_s": 102.0}]  # fmt: skip
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    rate = ablations.step_rate(tmp_path)
+    assert rate["first_log"] == {"step": 100, "elapsed_s": 60.0}
+    assert rate["seconds_per_step"] == pytest.approx(0.11)  # median of 0.10 and 0.12; evaluations left out
+    assert ablations.step_rate(tmp_path / "missing") == {"first_log": None, "seconds_per_step": None}
+
+
 def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_path):
     """benchmarks/ablations.py --smoke: each variant is its own train_dspark.py run; the report holds every run's
     held-out τ by step and by training time and each draft's decoding τ (--eval_data); the plot is written."""
@@ -181,6 +199,7 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
         assert run["returncode"] == 0, (out / f"{name}.log").read_text()[-2000:]
         assert run["held_out"] and all(p["elapsed_s"] > 0 and p["eval_tau_prob"] >= 1.0 for p in run["held_out"])
         assert [p["elapsed_s"] for p in run["held_out"]] == sorted(p["elapsed_s"] for p in run["held_out"])
+        assert run["first_log"]["elapsed_s"] > 0 and run["seconds_per_step"] > 0  # speed apart from compilation
     assert json.loads((out / "ablations.json").read_text())["variants"].keys() == report["variants"].keys()
     assert (out / "ablations.png").stat().st_size > 1000
     # Every variant's draft decoded on the same prompts, greedy and T = 1.
