@@ -504,6 +504,29 @@ def test_a_time_budget_replaces_the_step_bar_with_one_in_seconds(tmp_path):
     assert not next(c for c in hidden.callback_handler.callbacks if isinstance(c, TrainingDeadline)).show_progress
 
 
+def test_compiled_target_failure_falls_back_to_the_eager_target(tmp_path, caplog):
+    """compile_target is on by default on CUDA, so a target the compiler cannot handle must not stop training: the
+    step reruns the eager forward (same features), says so once, and later steps skip the compiled layers."""
+    from hf_dspark.target import decoder_layers
+
+    target = make_tiny_target("llama")
+    trainer = DraftTrainer(args=make_args(tmp_path, compile_target=True), train_dataset=tokenized_rows(),
+                           target_model=target)  # fmt: skip
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("inductor could not lower this op")
+
+    trainer._compiled_target_layers.pairs = [(layer, broken) for layer in decoder_layers(target)]
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert len(calls) == 1 and trainer._compiled_target_layers is None
+    assert sum("compiled target forward failed" in r.getMessage() for r in caplog.records) == 1
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(target))  # the swap was undone
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == 3
+
+
 def test_compiled_target_layers_train_like_eager_and_leave_the_target_untouched(tmp_path):
     """compile_target: the online target's decoder layers run compiled inside the trainer's forward only; the
     losses match the eager run's (float32 on CPU) and the target's layers keep their own forward afterwards."""

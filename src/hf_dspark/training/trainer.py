@@ -254,10 +254,19 @@ class DraftTrainer(Trainer):
                 "the batch has no target features: pass target_model=... to DraftTrainer (online training) or "
                 "train from a target cache (build_target_cache + load_target_cache)"
             )
-        with self._compiled_target_layers or contextlib.nullcontext():
-            context, last = target_features(
-                self.target_model, inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"]
-            )
+        run = lambda: target_features(  # noqa: E731
+            self.target_model, inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"]
+        )
+        if self._compiled_target_layers is not None:
+            try:
+                with self._compiled_target_layers:
+                    context, last = run()
+                return {"context_features": context, "target_last_hidden": last}
+            except Exception as err:  # noqa: BLE001 - the eager forward computes the same features
+                logger.warning("compiled target forward failed (%s: %s); the target runs uncompiled from now on "
+                               "(compile_target=False avoids the attempt)", type(err).__name__, err)  # fmt: skip
+                self._compiled_target_layers = None
+        context, last = run()
         return {"context_features": context, "target_last_hidden": last}
 
     def _anchor_generator(self, mode: str, inputs) -> torch.Generator:
