@@ -32,7 +32,8 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     rows = result["rows"]
     methods = {r["method"] for r in rows}
     assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark/static", "dspark/dynamic", "dspark/eager", "dspark/fused",
-            "dspark/compiled", "dspark+threshold", "dspark+prefix", "dflash", "eagle3"} <= methods
+            "dspark/compiled", "dspark/compiled-draft", "dspark+threshold", "dspark+prefix", "dflash", "eagle3",
+            "eagle3/compiled-draft"} <= methods
     assert result["complete"] is True
     for row in rows:
         assert not row["note"].startswith("failed"), row  # a compared path that errors is reported, not hidden

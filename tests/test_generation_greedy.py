@@ -346,6 +346,33 @@ def test_static_buffers_are_reused_across_calls_without_carrying_state(path):
     assert held() is not runner
 
 
+def test_compiled_draft_functions_decode_like_the_uncompiled_ones():
+    """dspark_compile_draft: the static draft path's proposal and extension through torch.compile give the
+    target's greedy output, and sampled output identical to the uncompiled draft's under the same seed (the draws
+    stay the same ATen calls on the same generator); it needs the static draft path."""
+    from torch._dynamo.utils import counters
+
+    target = _target("llama", "sdpa")
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    greedy = dict(assistant_model=draft, dspark_draft_graphs=True, max_new_tokens=12, do_sample=False)
+    counters.clear()
+    out = target.generate(ids, attention_mask=mask, dspark_compile_draft=True, **greedy)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    assert counters["frames"]["ok"] >= 1  # it did compile
+    sampled = dict(greedy, do_sample=True, top_k=20)
+    torch.manual_seed(3)
+    plain = target.generate(ids, attention_mask=mask, **sampled)
+    torch.manual_seed(3)
+    assert torch.equal(target.generate(ids, attention_mask=mask, dspark_compile_draft=True, **sampled), plain)
+    from hf_dspark.generation.draft_graphs import _RUNNERS
+
+    assert _RUNNERS[draft][1].compiled  # the compiled functions ran: no fallback to the plain ones
+    with pytest.raises(ValueError, match="dspark_compile_draft=True compiles the static draft path"):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_draft_graphs=False,
+                        dspark_compile_draft=True, max_new_tokens=4)  # fmt: skip
+
+
 def test_compile_defaults_to_cuda_only():
     """dspark_compile="auto" (the default) compiles only where the static path runs on CUDA: a static path forced
     on CPU stays uncompiled (nothing goes through dynamo), and a value outside True/False/"auto" names the choices."""

@@ -15,9 +15,14 @@ import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 
-@functools.lru_cache(maxsize=None)
+_EXTRA_ARGUMENTS: dict[type, bool] = {}  # processor type -> whether __call__ takes more than (input_ids, scores)
+
+
 def _takes_extra_arguments(processor_type: type) -> bool:
-    return len(inspect.signature(processor_type.__call__).parameters) > 3  # self, input_ids, scores
+    # A plain dict rather than functools.lru_cache: torch.compile (dspark_compile_draft) traces through it quietly.
+    if processor_type not in _EXTRA_ARGUMENTS:
+        _EXTRA_ARGUMENTS[processor_type] = len(inspect.signature(processor_type.__call__).parameters) > 3
+    return _EXTRA_ARGUMENTS[processor_type]
 
 
 def apply_logits_processors(processors, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:

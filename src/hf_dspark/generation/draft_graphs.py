@@ -21,6 +21,7 @@ one function. Graphs need position-free logits processors (the draft reads no se
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
@@ -28,11 +29,13 @@ import torch
 from ..models.modeling_draft import DraftProposal
 from .cuda_graphs import capture, captured_or_warned, kept_runner
 
+logger = logging.getLogger(__name__)
+
 
 class StaticDraftRunner:
     """Propose / extend for all `rows` of a run through static buffers (CUDA graphs on CUDA when `capture`)."""
 
-    def __init__(self, draft, cache, sampler, num_tokens: int, capture: bool):
+    def __init__(self, draft, cache, sampler, num_tokens: int, capture: bool, compile: bool = False):
         self._draft = weakref.ref(draft)  # runners are kept per draft (static_draft_runner): no cycle through it
         self.cache, self.sampler = cache, sampler
         self.num_tokens = int(num_tokens)
@@ -47,6 +50,12 @@ class StaticDraftRunner:
         self.capture = capture and device.type == "cuda"
         self._propose_graph = self._extend_graph = None
         self._proposal: DraftProposal | None = None
+        # What runs (and is captured): the two functions, or their compiled versions (dspark_compile_draft).
+        self.compiled = bool(compile)
+        self._propose_fn, self._extend_fn = self._run_propose, self._run_extend
+        if compile:
+            self._propose_fn = torch.compile(self._run_propose, dynamic=False)
+            self._extend_fn = torch.compile(self._run_extend, dynamic=False)
 
     def reset(self) -> None:
         """Before a call's prefill: an empty context cache (buffers and graphs stay)."""
@@ -77,9 +86,19 @@ class StaticDraftRunner:
 
     def _capture(self) -> None:
         # Extension warms up with no valid position, which writes only past every row's length and advances nothing.
-        pool = torch.cuda.graph_pool_handle()
-        self._propose_graph, self._proposal = capture(self._run_propose, pool=pool)
-        self._extend_graph, _ = capture(self._run_extend, before_warmup=self.valid.zero_, pool=pool)
+        try:
+            pool = torch.cuda.graph_pool_handle()
+            self._propose_graph, self._proposal = capture(self._propose_fn, pool=pool)
+            self._extend_graph, _ = capture(self._extend_fn, before_warmup=self.valid.zero_, pool=pool)
+        except Exception as err:  # noqa: BLE001 - the uncompiled functions compute the same thing
+            if not self.compiled:
+                raise
+            logger.warning("compiled draft functions failed (%s: %s); capturing them uncompiled", type(err).__name__, err)
+            self._uncompile()
+            self._capture()
+
+    def _uncompile(self) -> None:
+        self._propose_fn, self._extend_fn, self.compiled = self._run_propose, self._run_extend, False
 
     @property
     def captured(self) -> bool:
@@ -94,7 +113,7 @@ class StaticDraftRunner:
             self._propose_graph.replay()
             full = self._proposal
         else:
-            full = self._run_propose()
+            full = self._eager(self._propose_fn, self._run_propose)
         pick = lambda t: None if t is None else t[local_rows, :num_tokens]  # noqa: E731
         return DraftProposal(
             tokens=pick(full.tokens),
@@ -114,7 +133,18 @@ class StaticDraftRunner:
         if self._extend_graph is not None:
             self._extend_graph.replay()
         else:
-            self._run_extend()
+            self._eager(self._extend_fn, self._run_extend)
+
+    def _eager(self, fn, plain):
+        """A call without graphs (CPU, or capture off): the compiled function, or the plain one where it fails."""
+        if fn is plain:
+            return plain()
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - same fallback as the capture's
+            logger.warning("compiled draft functions failed (%s: %s); running them uncompiled", type(err).__name__, err)
+            self._uncompile()
+            return plain()
 
 
 def processors_signature(processors) -> tuple:
@@ -126,13 +156,15 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> 
 
 
 def static_draft_runner(draft, rows: int, capacity: int, sampler, processors, do_sample: bool, num_tokens: int,
-                        capture: bool) -> StaticDraftRunner:
+                        capture: bool, compile: bool = False) -> StaticDraftRunner:
     """The draft's runner for this call, reset: the last one when its shape, sampling settings and capacity fit
     (its graphs are replayed again: capturing costs a few eager rounds, a large share of a short generation),
     else a new one with a fresh context cache."""
-    key = (rows, int(num_tokens), processors_signature(processors), do_sample, capture,
+    key = (rows, int(num_tokens), processors_signature(processors), do_sample, capture, bool(compile),
            next(draft.parameters()).data_ptr())  # fmt: skip
-    build = lambda cap: StaticDraftRunner(draft, draft.new_context_cache(rows, capacity=cap), sampler, num_tokens, capture)  # noqa: E731
+    build = lambda cap: StaticDraftRunner(  # noqa: E731
+        draft, draft.new_context_cache(rows, capacity=cap), sampler, num_tokens, capture, compile
+    )
     runner = kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.cache.capacity, build)
     runner.reset()
     return runner

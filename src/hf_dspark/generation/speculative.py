@@ -162,6 +162,11 @@ class SpeculativeConfig:
             error where the static path is not used); False: never. The first call of a shape compiles (tens of
             seconds, as transformers' own static-cache generate() does); later calls of that shape replay the kept
             graph. Where compilation fails, the uncompiled forward is captured (with a warning).
+        compile_draft (`bool`, field `dspark_compile_draft`, defaults to False): on the static draft path
+            (`draft_graphs`), `torch.compile` the draft's proposal and context extension before they are captured:
+            the proposal is a chain of small kernels per slot (logits, processors, softmax, the draw), about a
+            quarter of a compiled round at batch 1 on an H200. Off until timed (`generation_speed.py
+            --compare-paths`, row /compiled-draft). Where compilation fails, the uncompiled functions are captured.
     """
 
     schedule: str = "none"
@@ -172,6 +177,7 @@ class SpeculativeConfig:
     target_graphs: bool | str = "auto"
     fused_round: bool = False
     compile: bool | str = "auto"
+    compile_draft: bool = False
 
     FIELDS = {
         "dspark_schedule": "schedule",
@@ -182,6 +188,7 @@ class SpeculativeConfig:
         "dspark_target_graphs": "target_graphs",
         "dspark_fused_round": "fused_round",
         "dspark_compile": "compile",
+        "dspark_compile_draft": "compile_draft",
     }
 
     @classmethod
@@ -212,8 +219,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"dspark_{name} must be True, False or 'auto', got {value!r}")
-        if self.fused_round not in (True, False):
-            raise ValueError(f"dspark_fused_round must be True or False, got {self.fused_round!r}")
+        for name in ("fused_round", "compile_draft"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"dspark_{name} must be True or False, got {getattr(self, name)!r}")
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -493,6 +501,10 @@ class _Decoder:
                 "dspark_compile=True compiles the static verification path's forward, which this call does not use: "
                 "add dspark_target_graphs=True (or cache_implementation='static')"
             )
+        if config.compile_draft and (self.fused or not self.static_draft):
+            where = "the fused round captures the draft itself" if self.fused else (
+                "the static draft path is not in use (dspark_draft_graphs)")
+            raise ValueError(f"dspark_compile_draft=True compiles the static draft path's functions, but {where}")
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -670,7 +682,7 @@ class _Decoder:
             elif self.static_draft:
                 runner = static_draft_runner(
                     draft, len(row_ids), capacity, self.sampler, self.logits_processor, self.do_sample,
-                    self.num_tokens, capture=self.capture_graphs,
+                    self.num_tokens, capture=self.capture_graphs, compile=self.config.compile_draft,
                 )
                 dcache = runner.cache
             else:
