@@ -103,6 +103,8 @@ def test_eval_end_to_end(workdir, capsys):
     assert data["command"].startswith("hf-dspark eval --target")
     assert data["hardware"].startswith("CPU") and data["target"] == str(workdir / "target")
     assert data["settings"]["num_prompts"] == {"prompts": 2}
+    assert data["settings"]["static_baseline"] is False  # "auto": transformers compiles it on CUDA only
+    assert "static_baseline" not in data["command"]
     assert "first 2 prompts" in data["settings"]["prompt_subset"]
     rows = {(r["drafter"], r["temperature"]): r for r in data["results"]}
     assert set(rows) == {("dspark", 0.0), ("eagle3", 0.0), ("dspark", 1.0), ("eagle3", 1.0)}
@@ -140,7 +142,7 @@ def test_eval_static_baseline(workdir, capsys):
     ])
     assert code == 0
     data = json.loads((out / "results.json").read_text())
-    assert "--static_baseline" in data["command"] and data["settings"]["static_baseline"] is True
+    assert "--static_baseline true" in data["command"] and data["settings"]["static_baseline"] is True
     (baseline,) = data["baselines"]
     static = baseline["static_cache"]
     assert static["new_tokens"] == baseline["new_tokens"]  # greedy: the same outputs, so the same lengths

@@ -176,6 +176,18 @@ def test_results_markdown_tables(results):
     assert "the first 6 prompts of each file" in md and "`hf-dspark eval --draft a --data gsm8k.jsonl`" in md
 
 
+def test_static_path_note_names_the_compiled_baseline_when_it_ran(results):
+    """Drafts verified through CUDA graphs against an eager target: the note says which baseline is the fair one."""
+    import dataclasses
+
+    graphs = [dict(r, target_graphs=True) for r in results.rows]
+    for static, expected in ((True, "the rows 'vs static target' compare"), (False, "--static_baseline true adds")):
+        settings = dict(results.settings, static_baseline=static)
+        md = results_markdown(dataclasses.replace(results, rows=graphs, settings=settings))
+        assert "part of the speedup is the graphs" in md and expected in md
+    assert "part of the speedup is the graphs" not in results_markdown(results)  # dynamic path: no note
+
+
 def test_plots_are_written_as_png(saved):
     written = saved
     pngs = sorted(name for name in written if name.endswith(".png"))

@@ -45,8 +45,10 @@ class EvalArguments:
     generate_kwargs: str | None = field(None, help="extra generate() arguments for the draft runs only, as a JSON "
                                         "object (e.g. confidence-scheduler options)", metavar="JSON")  # fmt: skip
     n_bins: int = field(15, help="bins of the expected calibration error")
-    static_baseline: bool = field(False, help="also time the target alone with a static cache (compiled by generate() "
-                                  "on CUDA), the fastest target-alone baseline; rows gain speedup_vs_static_target")
+    static_baseline: str = field("auto", help="also time the target alone with a static cache (compiled by "
+                                 "generate() on CUDA), the fastest target-alone baseline; rows gain "
+                                 "speedup_vs_static_target. auto: on CUDA; a bare --static_baseline means true",
+                                 nargs="?", const="true", choices=["auto", "true", "false"])  # fmt: skip
     no_warmup: bool = field(False, help="skip the untimed warm-up generate() calls")
     no_plots: bool = field(False, help="write JSON and markdown only")
     no_progress: bool = field(False, help="no progress bars")
@@ -97,7 +99,9 @@ def _command_line(args: EvalArguments) -> str:
     parts += ["--target_dtype", args.target_dtype, "--output_dir", args.output_dir]
     if args.generate_kwargs:
         parts += ["--generate_kwargs", json.dumps(args.generate_kwargs)]
-    flags = (("--static_baseline", args.static_baseline), ("--no_warmup", args.no_warmup), ("--no_plots", args.no_plots))
+    if args.static_baseline != "auto":
+        parts += ["--static_baseline", args.static_baseline]
+    flags = (("--no_warmup", args.no_warmup), ("--no_plots", args.no_plots))
     parts += [flag for flag, on in flags if on]
     return shlex.join(parts)
 
@@ -153,7 +157,8 @@ def run_eval(args: EvalArguments) -> int:
         plots=not args.no_plots,
         command=_command_line(args),
         target_name=target_name,
-        static_baseline=args.static_baseline,
+        # The honest baseline by default where it exists: transformers compiles static-cache decoding on CUDA only.
+        static_baseline={"true": True, "false": False}.get(args.static_baseline, device.startswith("cuda")),
     )
     from .report import results_markdown
 

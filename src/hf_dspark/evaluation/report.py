@@ -73,10 +73,14 @@ def results_markdown(results) -> str:
         "the draft / tokens/s of the target alone on the same prompts and settings",
     ]
     if any(r.get("target_graphs") for r in rows):
+        compared = (
+            "the rows 'vs static target' compare with the target's own compiled static-cache decoding"
+            if settings.get("static_baseline") else "--static_baseline true adds the target's own compiled "
+            "static-cache decoding as a second baseline"
+        )
         out.append(
             "- the drafts verified through the static path (the target's verify forward as a CUDA graph, "
-            "generate()'s default on CUDA); the target alone ran eagerly, so part of the speedup is the graphs "
-            "(--static_baseline compares with the target's own compiled static-cache decoding)"
+            f"generate()'s default on CUDA); the target alone ran eagerly, so part of the speedup is the graphs ({compared})"
         )
     if settings.get("static_cache_len"):
         out.append(
