@@ -110,8 +110,9 @@ def curve(folder: Path) -> list[dict]:
 
 
 def step_rate(folder: Path) -> dict:
-    """Training speed from the run's log: when the first training log came (compilation included) and the median
-    seconds a step between training logs, each interval starting after that step's evaluation (not counting it)."""
+    """Training speed from the run's log: when the first training log came (compilation included), the median
+    seconds a step between training logs, each interval starting after that step's evaluation (not counting it),
+    and the seconds the run spent in torch.compile by its last log."""
     state = folder / "trainer_state.json"
     history = json.loads(state.read_text()).get("log_history", []) if state.exists() else []
     ends: dict[int, float] = {}  # step -> the last elapsed_s logged at it (after its evaluation, if any)
@@ -120,9 +121,11 @@ def step_rate(folder: Path) -> dict:
             ends[h["step"]] = max(ends.get(h["step"], 0.0), h["elapsed_s"])
     train = [(h["step"], h["elapsed_s"]) for h in history if "loss" in h and "elapsed_s" in h]
     rates = [(e1 - ends[s0]) / (s1 - s0) for (s0, _), (s1, e1) in zip(train, train[1:]) if s1 > s0]
+    compiled = [h["compile_s"] for h in history if "compile_s" in h]
     return {
         "first_log": {"step": train[0][0], "elapsed_s": train[0][1]} if train else None,
         "seconds_per_step": statistics.median(rates) if rates else None,
+        "compile_s": compiled[-1] if compiled else None,
     }
 
 

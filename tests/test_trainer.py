@@ -543,6 +543,9 @@ def test_compiled_target_layers_train_like_eager_and_leave_the_target_untouched(
         trainer.train()
         losses[compiled] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         assert all("forward" not in layer.__dict__ for layer in decoder_layers(target))
+        # Logs say how much of the run went to compiling (cumulative since train() began).
+        compile_s = [h["compile_s"] for h in trainer.state.log_history if "loss" in h]
+        assert compile_s == sorted(compile_s) and (compile_s[-1] > 0) == compiled
     assert (trainer._compiled_target_layers is not None) and len(losses[True]) == 3
     assert 1 <= counters["frames"]["ok"] <= 2  # it compiled: once for all layers (twice with a new length)
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)

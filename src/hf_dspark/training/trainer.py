@@ -177,6 +177,7 @@ class DraftTrainer(Trainer):
         self._anchor_step, self._anchor_micro = -1, 0
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
         self._train_started: float | None = None
+        self._compile_s_before = 0.0
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints: True (or "true"/"latest") takes the newest
@@ -185,6 +186,7 @@ class DraftTrainer(Trainer):
             resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
         )
         self._train_started = time.monotonic()  # logs carry elapsed_s: held-out tau against training time
+        self._compile_s_before = compile_seconds()  # and compile_s: how much of it went to torch.compile
         return super().train(resume, *args, **kwargs)
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -358,6 +360,7 @@ class DraftTrainer(Trainer):
             logs["planned_steps"] = self.deadline.planned_steps
         if self._train_started is not None:
             logs["elapsed_s"] = round(time.monotonic() - self._train_started, 1)  # since this train() call began
+            logs["compile_s"] = round(compile_seconds() - self._compile_s_before, 1)  # new shapes compile mid-run
         if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
             # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
             steps = self.state.global_step
@@ -365,6 +368,20 @@ class DraftTrainer(Trainer):
             logs["train_samples_per_second"] = round(steps * self.args.train_batch_size * self.args.gradient_accumulation_steps
                                                      * self.args.world_size / logs["train_runtime"], 3)
         super().log(logs, start_time)
+
+
+# torch.compile's own timers: each compilation of a frame (forward graphs) and each lazy backward compilation.
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling with torch.compile so far (dynamo + inductor, forward and lazy
+    backward), from torch's own timers; 0 where they are unavailable."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # a torch without them: the logs then show 0
+        return 0.0
+    return float(sum(sum(compilation_time_metrics.get(name, ())) for name in _COMPILE_TIMERS))
 
 
 class SeededLengthGroupedSampler(torch.utils.data.Sampler):
