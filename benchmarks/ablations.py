@@ -99,12 +99,15 @@ def run_command(args, name: str, flags: list[str]) -> list[str]:
     return cmd + flags  # the variant's flags last: they win over the settings above
 
 
-def curve(folder: Path) -> list[dict]:
-    """Held-out τ by step from the run's log (written by examples/train_dspark.py as trainer_state.json)."""
+def log_history(folder: Path) -> list[dict]:
+    """The run's log (written by examples/train_dspark.py as trainer_state.json); empty before it exists."""
     state = folder / "trainer_state.json"
-    if not state.exists():
-        return []
-    history = json.loads(state.read_text()).get("log_history", [])
+    return json.loads(state.read_text()).get("log_history", []) if state.exists() else []
+
+
+def curve(folder: Path) -> list[dict]:
+    """Held-out τ by step from the run's log."""
+    history = log_history(folder)
     keys = ("eval_tau_prob", "eval_tau_greedy", "eval_loss", "elapsed_s")
     return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if "eval_tau_prob" in h]
 
@@ -113,8 +116,7 @@ def step_rate(folder: Path) -> dict:
     """Training speed from the run's log: when the first training log came (compilation included), the median
     seconds a step between training logs, each interval starting after that step's evaluation (not counting it),
     and the seconds the run spent in torch.compile by its last log."""
-    state = folder / "trainer_state.json"
-    history = json.loads(state.read_text()).get("log_history", []) if state.exists() else []
+    history = log_history(folder)
     ends: dict[int, float] = {}  # step -> the last elapsed_s logged at it (after its evaluation, if any)
     for h in history:
         if "elapsed_s" in h:

@@ -8,7 +8,6 @@ same warpers from temperature/top-k/top-p.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import torch
