@@ -5,11 +5,12 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   prompt_lookup transformers' prompt lookup decoding (prompt_lookup_num_tokens; transformers runs it at batch 1 only)
   <draft>       each draft, whole blocks verified
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
-  <draft>/static, /dynamic, /eager, /fused, /compiled, /compiled-draft   with --compare-paths: the static
-                verification path with its verify forward uncompiled (replayed as a CUDA graph), the dynamic cache, no
-                CUDA graphs at all, whole rounds as one graph (dspark_fused_round; verify forward compiled as by
-                default), the static path with its verify forward compiled before capture (dspark_compile; the
-                default on CUDA), and with the draft's proposal and extension compiled too (dspark_compile_draft)
+  <draft>/static, /dynamic, /eager, /fused, /compiled, /compiled-draft, /fused-compiled-draft   with
+                --compare-paths: the static verification path in separate graphs with its verify forward uncompiled,
+                the dynamic cache, no CUDA graphs at all, whole rounds as one graph (dspark_fused_round, the default
+                on CUDA where it applies; verify forward compiled as by default), separate graphs with the verify
+                forward compiled before capture (dspark_compile), and with the draft's proposal and extension
+                compiled too (dspark_compile_draft), separately or inside the fused round
   target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
                 generate() on CUDA), the fastest target-alone baseline. Not plain cache_implementation="static":
                 generate() sizes each call's new StaticCache by that call's prompt length + max_new_tokens (never
@@ -90,9 +91,9 @@ def parse_args(argv=None):
     parser.add_argument("--compare-paths", action="store_true",
                         help="also time each draft on each decoding path: /static (dspark_target_graphs=True, "
                         "dspark_compile=False), /dynamic (dspark_target_graphs=False), /eager (no CUDA graphs at all), "
-                        "/fused (whole rounds as one graph, dspark_fused_round=True), /compiled (the verify forward "
-                        "compiled, dspark_compile=True; the default on CUDA) and /compiled-draft (the draft's "
-                        "functions compiled too, dspark_compile_draft=True)")
+                        "/fused (whole rounds as one graph, dspark_fused_round=True; the default on CUDA), /compiled "
+                        "(separate graphs, the verify forward compiled), /compiled-draft (the draft's functions "
+                        "compiled too, dspark_compile_draft=True) and /fused-compiled-draft (both in the fused round)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--profile", default=None, metavar="FILE",
@@ -244,13 +245,18 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                 variants = [(name, {})]  # generate()'s defaults: what a user gets
                 if args.compare_paths:
                     variants += [
-                        (f"{name}/static", {"dspark_target_graphs": True, "dspark_compile": False}),
+                        (f"{name}/static", {"dspark_target_graphs": True, "dspark_fused_round": False,
+                                            "dspark_compile": False}),
                         (f"{name}/dynamic", {"dspark_target_graphs": False}),
                         (f"{name}/eager", {"dspark_target_graphs": False, "dspark_draft_graphs": False}),
                         (f"{name}/fused", {"dspark_target_graphs": True, "dspark_fused_round": True}),
-                        (f"{name}/compiled", {"dspark_target_graphs": True, "dspark_compile": True}),
-                        (f"{name}/compiled-draft", {"dspark_target_graphs": True, "dspark_compile": True,
-                                                    "dspark_draft_graphs": True, "dspark_compile_draft": True}),
+                        (f"{name}/compiled", {"dspark_target_graphs": True, "dspark_fused_round": False,
+                                              "dspark_compile": True}),
+                        (f"{name}/compiled-draft", {"dspark_target_graphs": True, "dspark_fused_round": False,
+                                                    "dspark_compile": True, "dspark_draft_graphs": True,
+                                                    "dspark_compile_draft": True}),
+                        (f"{name}/fused-compiled-draft", {"dspark_target_graphs": True, "dspark_fused_round": True,
+                                                          "dspark_compile": True, "dspark_compile_draft": True}),
                     ]
                 if getattr(draft.config, "enable_confidence_head", False):
                     sps = {"dspark_sps_table": args.sps_table} if args.sps_table else {}

@@ -234,8 +234,11 @@ def test_auto_target_graphs_on_cuda_only_where_the_static_path_fits():
 
 
 def test_fused_round_needs_the_static_path_whole_blocks_and_no_per_step_scores(target, draft):
-    with pytest.raises(ValueError, match="dspark_fused_round must be True or False"):
-        _generate(target, draft, dspark_fused_round="auto")
+    with pytest.raises(ValueError, match="dspark_fused_round must be True, False or 'auto'"):
+        _generate(target, draft, dspark_fused_round="yes")
+    # "auto" (the default) fuses only on CUDA: here the forced static path keeps separate runners.
+    out = _generate(target, draft, return_dict_in_generate=True, dspark_target_graphs=True)
+    assert not out.speculative_stats.fused_round
     with pytest.raises(ValueError, match="static verification path is not in use"):
         _generate(target, draft, dspark_fused_round=True)  # on CPU "auto" keeps the dynamic cache
     static = dict(dspark_fused_round=True, dspark_target_graphs=True)
@@ -250,3 +253,31 @@ def test_fused_round_needs_the_static_path_whole_blocks_and_no_per_step_scores(t
     # "prefix" verifies whole blocks on the static path, so it can run fused.
     out = _generate(target, draft, dspark_schedule="prefix", dspark_sps_table={1: 100.0, 64: 3.0}, **static)
     assert torch.equal(out, _generate(target, draft))
+
+
+def test_a_failing_compiled_capture_falls_back_to_the_plain_functions_once(caplog):
+    """The three CUDA-graph runners share one fallback: a capture that fails while compiled functions are in use is
+    retried once with the plain functions (and a warning); a failure without compiled functions is not hidden."""
+    from hf_dspark.generation.cuda_graphs import capture_or_uncompiled
+
+    state = {"compiled": True, "attempts": 0}
+
+    def capture_fn():
+        state["attempts"] += 1
+        if state["compiled"]:
+            raise RuntimeError("inductor refused")
+        return "graph"
+
+    def uncompile():
+        state["compiled"] = False
+
+    with caplog.at_level("WARNING"):
+        assert capture_or_uncompiled("verify forward", capture_fn, True, uncompile) == "graph"
+    assert state == {"compiled": False, "attempts": 2}
+    assert "compiled verify forward failed (RuntimeError: inductor refused); capturing uncompiled" in caplog.text
+
+    def broken():
+        raise RuntimeError("capture refused")
+
+    with pytest.raises(RuntimeError, match="capture refused"):
+        capture_or_uncompiled("draft functions", broken, False, uncompile)

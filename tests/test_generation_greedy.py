@@ -373,6 +373,26 @@ def test_compiled_draft_functions_decode_like_the_uncompiled_ones():
                         dspark_compile_draft=True, max_new_tokens=4)  # fmt: skip
 
 
+def test_compiled_draft_functions_inside_the_fused_round():
+    """dspark_compile_draft with dspark_fused_round: the round calls the draft's compiled proposal and extension;
+    greedy output equals the target's, and sampled output equals the uncompiled fused round's under one seed."""
+    from hf_dspark.generation.round_graph import _RUNNERS
+
+    target = _target("llama", "sdpa")
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    fused = dict(assistant_model=draft, dspark_target_graphs=True, dspark_fused_round=True, max_new_tokens=12)
+    out = target.generate(ids, attention_mask=mask, dspark_compile_draft=True, do_sample=False, **fused)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    runner = _RUNNERS[draft][1].draft_runner  # the round called its compiled functions, with no fallback
+    assert runner.compiled and runner._propose_fn is not runner._run_propose
+    sampled = dict(fused, do_sample=True, top_k=20)
+    torch.manual_seed(5)
+    plain = target.generate(ids, attention_mask=mask, **sampled)
+    torch.manual_seed(5)
+    assert torch.equal(target.generate(ids, attention_mask=mask, dspark_compile_draft=True, **sampled), plain)
+
+
 def test_compile_defaults_to_cuda_only():
     """dspark_compile="auto" (the default) compiles only where the static path runs on CUDA: a static path forced
     on CPU stays uncompiled (nothing goes through dynamo), and a value outside True/False/"auto" names the choices."""

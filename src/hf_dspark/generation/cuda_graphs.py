@@ -40,6 +40,20 @@ def captured_or_warned(what: str, capture_fn) -> bool:
         return False
 
 
+def capture_or_uncompiled(what: str, capture_fn, compiled: bool, uncompile):
+    """`capture_fn()`; where it fails while compiled functions are in use (`compiled`), log a warning, call
+    `uncompile()` (the runner swaps in the plain functions) and capture once more. Safe because a capture's warm-up
+    runs commit nothing (see `capture`), so the second attempt starts from the same state."""
+    try:
+        return capture_fn()
+    except Exception as err:  # noqa: BLE001 - the plain functions compute the same thing
+        if not compiled:
+            raise
+        logger.warning("compiled %s failed (%s: %s); capturing uncompiled", what, type(err).__name__, err)
+        uncompile()
+        return capture_fn()
+
+
 # Cache capacities are rounded up to this, so calls with nearby lengths share one runner.
 CAPACITY_STEP = 256
 
@@ -58,4 +72,4 @@ def kept_runner(registry, owner, key, capacity: int, capacity_of, build):
     return runner
 
 
-__all__ = ["CAPACITY_STEP", "capture", "captured_or_warned", "kept_runner"]
+__all__ = ["CAPACITY_STEP", "capture", "capture_or_uncompiled", "captured_or_warned", "kept_runner"]

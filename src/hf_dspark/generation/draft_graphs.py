@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from ..models.modeling_draft import DraftProposal
-from .cuda_graphs import capture, captured_or_warned, kept_runner
+from .cuda_graphs import capture, capture_or_uncompiled, captured_or_warned, kept_runner
 
 logger = logging.getLogger(__name__)
 
@@ -86,16 +86,12 @@ class StaticDraftRunner:
 
     def _capture(self) -> None:
         # Extension warms up with no valid position, which writes only past every row's length and advances nothing.
-        try:
+        def both():
             pool = torch.cuda.graph_pool_handle()
             self._propose_graph, self._proposal = capture(self._propose_fn, pool=pool)
             self._extend_graph, _ = capture(self._extend_fn, before_warmup=self.valid.zero_, pool=pool)
-        except Exception as err:  # noqa: BLE001 - the uncompiled functions compute the same thing
-            if not self.compiled:
-                raise
-            logger.warning("compiled draft functions failed (%s: %s); capturing them uncompiled", type(err).__name__, err)
-            self._uncompile()
-            self._capture()
+
+        capture_or_uncompiled("draft functions", both, self.compiled, self._uncompile)
 
     def _uncompile(self) -> None:
         self._propose_fn, self._extend_fn, self.compiled = self._run_propose, self._run_extend, False

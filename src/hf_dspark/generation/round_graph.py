@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from ..sampling import apply_position_free
-from .cuda_graphs import capture as capture_graph, captured_or_warned, kept_runner
+from .cuda_graphs import capture as capture_graph, capture_or_uncompiled, captured_or_warned, kept_runner
 from .draft_graphs import StaticDraftRunner, processors_signature
 from .rejection import block_tokens, cut_at_stop, verify_block
 
@@ -36,12 +36,14 @@ class FusedRoundRunner:
     """Rounds of a static call through one graph (eager without CUDA)."""
 
     def __init__(self, draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
-                 num_tokens: int, capacity: int, capture: bool):
+                 num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False):
         rows, device = target_runner.rows, target_runner.key_valid.device
         self.rows, self.n, self.width = rows, int(num_tokens), int(num_tokens) + 1
         self.target_runner, self.processors, self.do_sample = target_runner, processors, do_sample
         self.dcache = draft.new_context_cache(rows, capacity=capacity)
-        self.draft_runner = StaticDraftRunner(draft, self.dcache, sampler, num_tokens, capture=False)
+        # Its functions (compiled where `compile_draft`) run inside this runner's graph; it captures none itself.
+        self.draft_runner = StaticDraftRunner(draft, self.dcache, sampler, num_tokens, capture=False,
+                                              compile=compile_draft)
         self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device) if eos_ids else None
         long = dict(dtype=torch.long, device=device)
         # The call's token rows (prompt, then generated tokens; drafts are written past each row's length).
@@ -81,7 +83,14 @@ class FusedRoundRunner:
         return self.tokens[:, :width]
 
     def _capture(self) -> None:
-        self._graph, _ = capture_graph(self._round, before_warmup=self._idle)
+        compiled = self.draft_runner.compiled or self.target_runner.compiled
+        self._graph, _ = capture_or_uncompiled(
+            "round functions", lambda: capture_graph(self._round, before_warmup=self._idle), compiled, self._uncompile
+        )
+
+    def _uncompile(self) -> None:
+        self.draft_runner._uncompile()
+        self.target_runner._uncompile()
 
     def _idle(self) -> None:
         """Warm-up state: no row runs, so a round commits nothing and writes only past every row's length."""
@@ -116,7 +125,7 @@ class FusedRoundRunner:
         anchors = self.tokens.gather(1, (self.prompt_length + self.lengths - 1)[:, None]).squeeze(1)
         draft = self.draft_runner
         draft.anchor_ids.copy_(anchors)
-        proposal = draft._run_propose()
+        proposal = draft._propose_fn()
         self._confidences = proposal.confidences
         drafts = proposal.tokens[:, :n]
         caps = (self.budget - 1 - self.lengths).clamp(min=0, max=n)  # whole blocks, cut by the token budget
@@ -152,7 +161,7 @@ class FusedRoundRunner:
         draft.features.copy_(features.to(draft.features.dtype))
         draft.valid.copy_((slot[None, :] <= accepted[:, None]) & running[:, None])
         draft.next_ids.copy_(new_tokens)
-        draft._run_extend()
+        draft._extend_fn()
         running &= ~finished
         self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
 
@@ -161,15 +170,16 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> 
 
 
 def fused_round_runner(draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
-                       num_tokens: int, capacity: int, capture: bool) -> FusedRoundRunner:
+                       num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False) -> FusedRoundRunner:
     """The draft's runner for this call: the last one when everything its graph bakes in matches (`kept_runner`;
     it holds the verification runner it was built with, so that one's id cannot be reused meanwhile), else new."""
     key = (id(target_runner), processors_signature(processors), do_sample, tuple(eos_ids), int(num_tokens), capture,
-           next(draft.parameters()).data_ptr())  # fmt: skip
+           bool(compile_draft), next(draft.parameters()).data_ptr())  # fmt: skip
 
     def build(cap: int) -> FusedRoundRunner:
         cap = max(cap, target_runner.capacity)  # calls of one verification shape share the runner
-        return FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, cap, capture)
+        return FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, cap, capture,
+                                compile_draft)
 
     return kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.dcache.capacity, build)
 

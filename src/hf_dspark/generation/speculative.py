@@ -151,10 +151,13 @@ class SpeculativeConfig:
             generate()'s `cache_implementation="static"`): always, eagerly on CPU, an error where unsupported;
             False: the dynamic cache. On this path "prefix" verifies whole blocks (its cost does not depend on
             the prefix); "threshold" keeps its cut.
-        fused_round (`bool`, field `dspark_fused_round`, defaults to False): on the static path, run each whole
-            round (propose, verify, accept, commit, extend) as one CUDA graph with one host read (`round_graph.py`);
-            needs position-free logits processors, schedule "none" (or "prefix", whole blocks there) and no
-            output_scores / output_logits.
+        fused_round (`bool` or "auto", field `dspark_fused_round`, defaults to "auto"): on the static path, run each
+            whole round (propose, verify, accept, commit, extend) as one CUDA graph with one host read
+            (`round_graph.py`); needs position-free logits processors, schedule "none" (or "prefix", whole blocks
+            there) and no output_scores / output_logits. "auto": on CUDA wherever those hold (measured on an H200
+            with SmolLM2 at batch 1: 3.04 ms a round against 3.32 for the static path's separate graphs, greedy);
+            True: also eagerly on CPU, an error where unsupported; False: separate graphs for the draft and the
+            verify forward.
         compile (`bool` or "auto", field `dspark_compile`, defaults to "auto"): on the static path, `torch.compile`
             the target's verify forward before it is captured: fused kernels, fewer launches per round (the eager
             forward is a few dozen small kernels per layer; measured on an H200 with SmolLM2 at batch 1: 3.9 ms a
@@ -163,10 +166,12 @@ class SpeculativeConfig:
             seconds, as transformers' own static-cache generate() does); later calls of that shape replay the kept
             graph. Where compilation fails, the uncompiled forward is captured (with a warning).
         compile_draft (`bool`, field `dspark_compile_draft`, defaults to False): on the static draft path
-            (`draft_graphs`), `torch.compile` the draft's proposal and context extension before they are captured:
-            the proposal is a chain of small kernels per slot (logits, processors, softmax, the draw), about a
-            quarter of a compiled round at batch 1 on an H200. Off until timed (`generation_speed.py
-            --compare-paths`, row /compiled-draft). Where compilation fails, the uncompiled functions are captured.
+            (`draft_graphs`, the fused round included), `torch.compile` the draft's proposal and context extension
+            before they are captured: the proposal is a chain of small kernels per slot (logits, processors,
+            softmax, the draw), about a fifth of a compiled round at batch 1 on an H200, where compiling it made
+            separate-graph rounds 4-10% faster. Off by default until timed inside the fused round
+            (`generation_speed.py --compare-paths`, row /fused-compiled-draft). Where compilation fails, the
+            uncompiled functions are captured.
     """
 
     schedule: str = "none"
@@ -175,7 +180,7 @@ class SpeculativeConfig:
     block_size: int | None = None
     draft_graphs: bool | str = "auto"
     target_graphs: bool | str = "auto"
-    fused_round: bool = False
+    fused_round: bool | str = "auto"
     compile: bool | str = "auto"
     compile_draft: bool = False
 
@@ -215,13 +220,12 @@ class SpeculativeConfig:
             raise ValueError(f"dspark_schedule={self.schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"dspark_threshold must be in [0, 1], got {self.threshold}")
-        for name in ("draft_graphs", "target_graphs", "compile"):
+        for name in ("draft_graphs", "target_graphs", "fused_round", "compile"):
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"dspark_{name} must be True, False or 'auto', got {value!r}")
-        for name in ("fused_round", "compile_draft"):
-            if getattr(self, name) not in (True, False):
-                raise ValueError(f"dspark_{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compile_draft not in (True, False):
+            raise ValueError(f"dspark_compile_draft must be True or False, got {self.compile_draft!r}")
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -482,17 +486,20 @@ class _Decoder:
         # The static path's verify forward costs the same for any prefix of the block: "prefix" verifies whole
         # blocks there (see _static_suits_schedule).
         self.whole_blocks = config.schedule == "none" or (static_target and config.schedule == "prefix")
-        # Whole rounds as one graph (round_graph.py).
-        self.fused = bool(config.fused_round)
+        # Whole rounds as one graph (round_graph.py): by default wherever it applies on CUDA.
+        fused_why_not = why_not
+        if not static_target:
+            fused_why_not = "the static verification path is not in use (dspark_target_graphs / cache_implementation)"
+        elif not fused_why_not and not self.whole_blocks:
+            fused_why_not = "it verifies whole blocks only (dspark_schedule='none' or 'prefix')"
+        elif not fused_why_not and (self.want_scores or self.want_logits):
+            fused_why_not = "output_scores / output_logits need each step's scores"
+        if config.fused_round is True and fused_why_not:
+            raise ValueError(f"dspark_fused_round=True cannot be used here: {fused_why_not}")
+        self.fused = config.fused_round is True or (
+            config.fused_round == "auto" and on_cuda and not fused_why_not and config.draft_graphs is not False
+        )
         if self.fused:
-            if not static_target:
-                why_not = "the static verification path is not in use (dspark_target_graphs / cache_implementation)"
-            elif not why_not and not self.whole_blocks:
-                why_not = "it verifies whole blocks only (dspark_schedule='none' or 'prefix')"
-            elif not why_not and (self.want_scores or self.want_logits):
-                why_not = "output_scores / output_logits need each step's scores"
-            if why_not:
-                raise ValueError(f"dspark_fused_round=True cannot be used here: {why_not}")
             self.static_draft = True
         # The verify forward compiled before capture: by default wherever the static path runs on CUDA.
         self.compile = config.compile is True or (config.compile == "auto" and static_target and on_cuda)
@@ -501,10 +508,9 @@ class _Decoder:
                 "dspark_compile=True compiles the static verification path's forward, which this call does not use: "
                 "add dspark_target_graphs=True (or cache_implementation='static')"
             )
-        if config.compile_draft and (self.fused or not self.static_draft):
-            where = "the fused round captures the draft itself" if self.fused else (
-                "the static draft path is not in use (dspark_draft_graphs)")
-            raise ValueError(f"dspark_compile_draft=True compiles the static draft path's functions, but {where}")
+        if config.compile_draft and not self.static_draft:
+            raise ValueError("dspark_compile_draft=True compiles the static draft path's functions, but the static "
+                             "draft path is not in use (dspark_draft_graphs)")
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -675,7 +681,7 @@ class _Decoder:
                 fused = fused_round_runner(
                     draft, target_runner, self.sampler, self.logits_processor, self.do_sample,
                     tuple(self.eos_ids.tolist()) if self.eos_ids is not None else (), self.num_tokens, capacity,
-                    capture=device.type == "cuda",
+                    capture=device.type == "cuda", compile_draft=self.config.compile_draft,
                 )
                 fused.reset()
                 dcache = fused.dcache

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from .cuda_graphs import capture, captured_or_warned, kept_runner
+from .cuda_graphs import capture, capture_or_uncompiled, captured_or_warned, kept_runner
 
 logger = logging.getLogger(__name__)
 
@@ -142,18 +142,16 @@ class StaticTargetRunner:
     def _capture(self) -> None:
         # The warm-up runs (which also compile) write only uncommitted columns, which no row reads.
         start = time.perf_counter()
-        try:
-            self._graph, self._outputs = capture(self._run)
-        except Exception as err:  # noqa: BLE001 - the uncompiled forward computes the same thing
-            if not self.compiled:
-                raise
-            logger.warning("compiled verify forward failed (%s: %s); capturing it uncompiled", type(err).__name__, err)
-            self._run, self.compiled = self._forward, False
-            self._graph, self._outputs = capture(self._run)
+        self._graph, self._outputs = capture_or_uncompiled(
+            "verify forward", lambda: capture(self._run), self.compiled, self._uncompile
+        )
         if self.compiled:  # a first call's pause of tens of seconds deserves a word
             logger.info("compiled and captured the verify forward for %d rows x %d tokens (cache %d) in %.1f s; kept "
                         "for later calls of this shape (dspark_compile=False skips compiling)", self.rows, self.width,
                         self.capacity, time.perf_counter() - start)  # fmt: skip
+
+    def _uncompile(self) -> None:
+        self._run, self.compiled = self._forward, False
 
     # -- what the decoding loop calls -----------------------------------------------------------------------
 
