@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import datasets
@@ -546,6 +547,13 @@ def test_compiled_target_layers_train_like_eager_and_leave_the_target_untouched(
         # Logs say how much of the run went to compiling (cumulative since train() began).
         compile_s = [h["compile_s"] for h in trainer.state.log_history if "loss" in h]
         assert compile_s == sorted(compile_s) and (compile_s[-1] > 0) == compiled
+        # compile_report.json says which functions compiled, how often and how long.
+        report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+        assert (report["compilations"] > 0) == compiled
+        if compiled:
+            layer = [f for f in report["frames"] if f["where"].startswith("modeling_")]  # the decoder layer's call
+            assert layer and "forward" in layer[0]["function"] and 1 <= layer[0]["count"] <= 2
+            assert 0 < report["total_s"] <= compile_s[-1] + 1.0
     assert (trainer._compiled_target_layers is not None) and len(losses[True]) == 3
     assert 1 <= counters["frames"]["ok"] <= 2  # it compiled: once for all layers (twice with a new length)
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)

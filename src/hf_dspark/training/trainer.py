@@ -21,12 +21,14 @@ shapes.
 from __future__ import annotations
 
 import collections
+import json
 import contextlib
 import logging
 import math
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -187,7 +189,17 @@ class DraftTrainer(Trainer):
         )
         self._train_started = time.monotonic()  # logs carry elapsed_s: held-out tau against training time
         self._compile_s_before = compile_seconds()  # and compile_s: how much of it went to torch.compile
-        return super().train(resume, *args, **kwargs)
+        since_us = keep_compilation_records()
+        result = super().train(resume, *args, **kwargs)
+        if self.is_world_process_zero():  # which functions compiled, when, how often and why: compile_report.json
+            report = compile_report(since_us)
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.args.output_dir) / "compile_report.json").write_text(json.dumps(report, indent=1) + "\n")
+            if report["frames"]:
+                top = ", ".join(f"{f['function']} {f['seconds']:.1f} s x{f['count']}" for f in report["frames"][:3])
+                logger.info("torch.compile took %.1f s of this run in %d compilations (%s); compile_report.json "
+                            "says which and why", report["total_s"], report["compilations"], top)  # fmt: skip
+        return result
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """Trainer's scheduler, or under a time budget with fit_schedule_to_budget the same schedule over the
@@ -382,6 +394,54 @@ def compile_seconds() -> float:
     except ImportError:  # a torch without them: the logs then show 0
         return 0.0
     return float(sum(sum(compilation_time_metrics.get(name, ())) for name in _COMPILE_TIMERS))
+
+
+def keep_compilation_records() -> int:
+    """Let dynamo keep a record of every compilation of the run (it keeps the last 64 by default); returns the
+    current time in microseconds, the mark `compile_report` counts from."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics, set_compilation_metrics_limit
+
+        set_compilation_metrics_limit(max(4096, len(get_compilation_metrics())))
+    except ImportError:  # a torch without per-compilation records: the report is then empty
+        pass
+    return time.time_ns() // 1000
+
+
+def compile_report(since_us: int) -> dict:
+    """torch.compile's work since `since_us`, from dynamo's per-compilation records, grouped by compiled function
+    (name and source line, forward and backward graphs): count, seconds, when the first one started (seconds after
+    the mark) and the recompilation reasons dynamo gave (shape changes, guard failures). Sorted by seconds."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:
+        return {"total_s": 0.0, "compilations": 0, "frames": []}
+    groups: dict[tuple, dict] = {}
+    for record in get_compilation_metrics():
+        start = getattr(record, "start_time_us", None) or 0
+        if start < since_us:
+            continue
+        name = getattr(record, "co_name", None) or "(graph without a frame: a lazy backward)"
+        filename = getattr(record, "co_filename", None)
+        where = f"{Path(filename).name}:{getattr(record, 'co_firstlineno', '?')}" if filename else ""
+        backward = getattr(record, "is_forward", True) is False
+        entry = groups.setdefault((name, where, backward), {
+            "function": name, "where": where, "graph": "backward" if backward else "forward", "count": 0,
+            "seconds": 0.0, "first_at_s": round((start - since_us) / 1e6, 1), "reasons": [],
+        })  # fmt: skip
+        entry["count"] += 1
+        entry["seconds"] += (getattr(record, "duration_us", None) or 0) / 1e6
+        reason = getattr(record, "recompile_reason", None)
+        if reason and reason not in entry["reasons"] and len(entry["reasons"]) < 5:
+            entry["reasons"].append(reason)
+    frames = sorted(groups.values(), key=lambda f: -f["seconds"])
+    for frame in frames:
+        frame["seconds"] = round(frame["seconds"], 2)
+    return {
+        "total_s": round(sum(f["seconds"] for f in frames), 1),
+        "compilations": sum(f["count"] for f in frames),
+        "frames": frames,
+    }
 
 
 class SeededLengthGroupedSampler(torch.utils.data.Sampler):
