@@ -45,6 +45,7 @@ VARIANTS = {
     "warmup_10pct": ["--warmup_steps", "0.1"],
     "anchors_256": ["--num_anchors", "256"],
     "anchors_1024": ["--num_anchors", "1024"],
+    "loops_2": ["--max_loop_repeats", "2"],
     "sequence_normalization": ["--loss_normalization", "sequence"],
     "late_layers": ["--target_layer_ids", "8", "14", "20", "24", "28"],
     "padded_1024_random_order": ["--train_sampling_strategy", "random", "--pad_to_multiple_of", "1024"],

@@ -162,6 +162,47 @@ def test_rows_with_too_few_supervised_tokens_or_no_answer_are_dropped_and_counte
     assert "2 with fewer supervised tokens than min_loss_tokens" in caplog.text
 
 
+def test_repetition_loop_finds_the_longest_periodic_end_and_ignores_ordinary_text():
+    from hf_dspark.data.chat import repetition_loop
+
+    intro = list(range(100, 140))
+    loop = [7, 8, 9, 10, 11]
+    assert repetition_loop(intro + loop * 12) == (5, 60)  # 12 repeats of a 5-token span
+    assert repetition_loop(intro + [1] * 40) == (1, 40)
+    assert repetition_loop(intro + loop * 12 + [3]) == (0, 0)  # the end breaks the loop: no loop at the end
+    assert repetition_loop(intro + loop * 3) == (0, 0)  # 15 tokens: too short to be a loop
+    assert repetition_loop(list(range(200))) == (0, 0)
+
+
+def test_cut_answers_keep_max_loop_repeats_of_their_loop(smol_tokenizer, caplog):
+    """max_loop_repeats: only answers cut at the length limit (finish == "length") are shortened, to the text
+    before their loop plus k repeats of it; finished answers and loop-free cut answers are untouched."""
+    from hf_dspark.data.chat import loop_trimmed_length, repetition_loop
+
+    looping = ("Here is the plan. " + "Step one is to repeat the same sentence. " * 30).rstrip()
+    cut = {"messages": [{"role": "user", "content": "Plan?"}, {"role": "assistant", "content": looping}],
+           "finish": "length"}  # fmt: skip
+    finished = dict(cut, finish="stop")
+    plain_cut = {"messages": CONVERSATION[:2], "finish": "length"}
+    ds = datasets.Dataset.from_list([cut, finished, plain_cut])
+    whole = tokenize_conversations(ds, smol_tokenizer, 4096, min_loss_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="hf_dspark.data.chat"):
+        trimmed = tokenize_conversations(ds, smol_tokenizer, 4096, min_loss_tokens=1, max_loop_repeats=2)
+    assert trimmed[1] == whole[1] and trimmed[2] == whole[2]
+    ids, mask = whole[0]["input_ids"], whole[0]["loss_mask"]
+    keep = len(trimmed[0]["input_ids"])
+    assert keep == loop_trimmed_length(ids, mask, 2) < len(ids)
+    assert trimmed[0]["input_ids"] == ids[:keep] and trimmed[0]["loss_mask"] == mask[:keep]
+    # What stays is the introduction and two repeats of the sentence: too short to count as a loop any more.
+    start = mask.index(1)
+    assert repetition_loop(ids[start:keep]) == (0, 0)
+    text = smol_tokenizer.decode(ids[start:keep])
+    assert text.startswith("Here is the plan.") and text.count("Step one is to repeat") == 2, text
+    assert "cut the repetition loops of 1 answers" in caplog.text
+    with pytest.raises(ValueError, match="max_loop_repeats must be >= 1"):
+        tokenize_conversations(ds, smol_tokenizer, 4096, max_loop_repeats=0)
+
+
 def test_all_rows_unusable_is_an_error_naming_the_reasons(smol_tokenizer):
     ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "No answer here."}]}] * 3)
     with pytest.raises(ValueError, match="no usable conversation among 3 rows.*3 x no assistant turn"):

@@ -186,11 +186,14 @@ def tokenize_conversations(
     max_length: int,
     min_loss_tokens: int = 14,
     num_proc: int | None = None,
+    max_loop_repeats: int | None = None,
 ) -> datasets.Dataset:
     """Apply the chat template; returns a Dataset with `input_ids` and `loss_mask` (0/1) columns only.
 
     Rows with `finish == "length"` (answers cut at a token limit, as written by `regenerate_responses`) do
-    not supervise the end marker the template appends to their last answer. Rows are truncated to
+    not supervise the end marker the template appends to their last answer. Such answers often end in a
+    repetition loop (a small model's sampled answers do): with `max_loop_repeats` = k, a cut answer whose end
+    repeats one span (`repetition_loop`) keeps k repeats of it and the row ends there. Rows are truncated to
     `max_length` tokens. Rows with fewer than `min_loss_tokens` supervised tokens (after
     truncation), with no assistant turn, or with malformed `messages` are dropped and counted in the log; if no
     row survives, a ValueError says why.
@@ -207,11 +210,14 @@ def tokenize_conversations(
         raise ValueError("the conversation dataset has no rows")
     end_ids = sorted(special_token_ids(tokenizer))
 
+    if max_loop_repeats is not None and max_loop_repeats < 1:
+        raise ValueError(f"max_loop_repeats must be >= 1 (or None to keep loops whole), got {max_loop_repeats}")
+
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "loss_mask": [], "_status": [], "_truncated": []}
+        out: dict[str, list] = {"input_ids": [], "loss_mask": [], "_status": [], "_truncated": [], "_loop_cut": []}
         finishes = batch.get("finish") or [None] * len(batch["messages"])
         for messages, finish in zip(batch["messages"], finishes):
-            status, ids, mask, truncated = "ok", [], [], False
+            status, ids, mask, truncated, loop_cut = "ok", [], [], False, 0
             if not _well_formed(messages):
                 status = "malformed"
             else:
@@ -220,6 +226,10 @@ def tokenize_conversations(
                     status = "no_assistant"
                 else:
                     ids, mask = encode_conversation(messages, tokenizer, end_ids, finish != "length")
+                    if max_loop_repeats is not None and finish == "length":
+                        keep = loop_trimmed_length(ids, mask, max_loop_repeats)
+                        loop_cut = len(ids) - keep
+                        ids, mask = ids[:keep], mask[:keep]
                     if len(ids) > max_length:
                         ids, mask, truncated = ids[:max_length], mask[:max_length], True
                     if sum(mask) < min_loss_tokens:
@@ -228,6 +238,7 @@ def tokenize_conversations(
             out["loss_mask"].append(mask if status == "ok" else [])
             out["_status"].append(status)
             out["_truncated"].append(truncated)
+            out["_loop_cut"].append(loop_cut if status == "ok" else 0)
         return out
 
     encoded = dataset.map(
@@ -256,10 +267,49 @@ def tokenize_conversations(
         )
     if num_truncated:
         logger.warning("truncated %d conversations to max_length=%d tokens", num_truncated, max_length)
+    loop_cuts = [n for n in encoded["_loop_cut"] if n]
+    if loop_cuts:
+        logger.warning("cut the repetition loops of %d answers cut at a length limit to %d repeats (%d tokens in all)",
+                       len(loop_cuts), max_loop_repeats, sum(loop_cuts))  # fmt: skip
     if dropped:
         encoded = encoded.filter(lambda s: [x == "ok" for x in s], input_columns="_status", batched=True)
         encoded = encoded.flatten_indices()
-    return encoded.remove_columns(["_status", "_truncated"])
+    return encoded.remove_columns(["_status", "_truncated", "_loop_cut"])
+
+
+# A loop: the answer's end repeats one span of at most this many tokens, for at least MIN_LOOP_TOKENS tokens and
+# three repeats (shorter repetition is ordinary text: lists, tables, code).
+MAX_LOOP_PERIOD = 64
+MIN_LOOP_TOKENS = 32
+
+
+def repetition_loop(tokens: Sequence[int]) -> tuple[int, int]:
+    """(period, length) of the longest run at the end of `tokens` in which every token equals the one `period`
+    before it (length counts the first repeat too); (0, 0) when the end is no loop (see MIN_LOOP_TOKENS)."""
+    n, best = len(tokens), (0, 0)
+    for period in range(1, min(MAX_LOOP_PERIOD, n // 3) + 1):
+        i = n - 1
+        while i - period >= 0 and tokens[i] == tokens[i - period]:
+            i -= 1
+        length = (n - 1 - i) + period
+        if length > best[1] and length >= max(3 * period, MIN_LOOP_TOKENS):
+            best = (period, length)
+    return best
+
+
+def loop_trimmed_length(ids: list[int], mask: list[int], repeats: int) -> int:
+    """Length to keep of a row whose last supervised span (a cut answer) may end in a repetition loop: up to
+    `repeats` repeats of the loop; the whole row when there is none."""
+    end = len(mask)
+    while end and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start and mask[start - 1]:
+        start -= 1
+    period, length = repetition_loop(ids[start:end])
+    if not period or length <= repeats * period:
+        return len(ids)
+    return end - length + repeats * period
 
 
 def _well_formed(messages: Any) -> bool:

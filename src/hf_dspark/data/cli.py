@@ -40,6 +40,9 @@ class BuildCacheArguments:
     split: str = field("train", help="dataset split")
     max_length: int = field(2048, help="tokens per conversation (longer ones are cut)")
     min_loss_tokens: int = field(14, help="conversations with fewer supervised tokens are dropped")
+    max_loop_repeats: int | None = field(
+        None, help="answers cut at the length limit that end in a repetition loop keep at most this many repeats"
+    )
     target_layer_ids: str | None = field(
         None, help="comma-separated target layers (-1 = embeddings); default: 5 evenly spaced non-final layers"
     )
@@ -114,7 +117,8 @@ def run_build_cache(args) -> int:
     with state.main_process_first():
         conversations = load_conversations(args.data, split=args.split)
         rows = tokenize_conversations(
-            conversations, tokenizer, args.max_length, min_loss_tokens=args.min_loss_tokens, num_proc=args.num_proc
+            conversations, tokenizer, args.max_length, min_loss_tokens=args.min_loss_tokens, num_proc=args.num_proc,
+            max_loop_repeats=args.max_loop_repeats,
         )
     build_target_cache(
         target,

@@ -56,6 +56,11 @@ class DraftTrainingArguments(TrainingArguments):
     min_loss_tokens: int = field(
         default=14, metadata={"help": "Drop conversations with fewer supervised (assistant) tokens than this."}
     )
+    max_loop_repeats: int | None = field(
+        default=None,
+        metadata={"help": "Answers cut at the length limit (finish == 'length') that end in a repetition loop keep at "
+                  "most this many repeats of it (default: whole loops)."},
+    )  # fmt: skip
     pad_to_multiple_of: int = field(
         default=256, metadata={"help": "Pad batch lengths to a multiple of this (fewer shapes for compiled kernels)."}
     )

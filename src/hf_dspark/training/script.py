@@ -76,6 +76,7 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
             tokenizer,
             max_length=training_args.max_length,
             min_loss_tokens=training_args.min_loss_tokens,
+            max_loop_repeats=training_args.max_loop_repeats,
         )
     eval_dataset = None
     if script_args.eval_rows:
