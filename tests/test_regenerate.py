@@ -189,3 +189,28 @@ def test_a_complete_last_row_missing_its_newline_is_kept(tmp_path):
     out.write_text('{"id": "a", "messages": []}\n{"id": "b", "messages": []}')
     assert finished_ids(out) == {"a", "b"}
     assert out.read_text().endswith('"messages": []}\n')  # the next append starts on a fresh line
+
+
+def test_static_cache_decoding_answers_like_the_dynamic_cache(tmp_path, target, tokenizer):
+    """static_cache: every call decodes on a static cache of one length (longest prompt + max_new_tokens, rounded
+    up to 256) and, greedy in float32, writes exactly what the dynamic cache writes; all_turns cannot use it."""
+    configs = []
+    original = target.generate
+
+    def generate(*args, **kwargs):
+        configs.append(kwargs["generation_config"])
+        return original(*args, **kwargs)
+
+    target.generate = generate
+    first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
+    settings = dict(batch_size=2, max_new_tokens=12, temperature=0, progress=False)
+    static = regenerate_responses(target, tokenizer, first_turns, tmp_path / "static.jsonl", static_cache=True,
+                                  **settings)  # fmt: skip
+    assert {(c.cache_implementation, c.max_cache_len) for c in configs} == {("static", 256)}
+    configs.clear()
+    dynamic = regenerate_responses(target, tokenizer, first_turns, tmp_path / "dynamic.jsonl", **settings)
+    assert {c.cache_implementation for c in configs} == {None}  # "auto" on CPU: the dynamic cache
+    assert read_rows(static) == read_rows(dynamic)
+    with pytest.raises(ValueError, match="static_cache needs every prompt's length up front"):
+        regenerate_responses(target, tokenizer, PROMPTS, tmp_path / "x.jsonl", all_turns=True, static_cache=True,
+                             **settings)  # fmt: skip

@@ -24,6 +24,8 @@ class RegenerateArguments:
     top_k: int = field(20, help="top-k sampling")
     seed: int = field(0, help="sampling seed")
     all_turns: bool = field(False, help="answer every turn, not only the first")
+    static_cache: str = field("auto", help="decode on a static cache with generate()'s compiled step ('auto': on "
+                              "CUDA for first turns)", choices=("auto", "true", "false"))  # fmt: skip
 
 
 @dataclass
@@ -98,6 +100,7 @@ def run_regenerate(args) -> int:
         top_k=args.top_k,
         seed=args.seed,
         all_turns=args.all_turns,
+        static_cache={"auto": None, "true": True, "false": False}[args.static_cache],
     )
     print(f"conversations written to {out}")
     return 0

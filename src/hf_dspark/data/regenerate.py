@@ -75,6 +75,7 @@ def regenerate_responses(
     seed: int = 0,
     all_turns: bool = False,
     progress: bool = True,
+    static_cache: bool | None = None,
 ) -> Path:
     """Answer each prompt with `target.generate` and append the conversations to `output_file` (JSONL).
 
@@ -83,6 +84,12 @@ def regenerate_responses(
     every turn in order, each seeing the previous answers. `finish` is "length" when any answer hit
     `max_new_tokens`; `prompt_tokens` / `completion_tokens` sum over the answered turns (completion tokens
     count the end-of-turn token). Re-running with the same `output_file` resumes where it stopped.
+
+    `static_cache` (default: on CUDA, first turns only) decodes on transformers' static cache, whose one-token step
+    generate() compiles and replays as a CUDA graph: several times faster than the eager loop for a small target.
+    Every call gets the same cache length (the longest prompt + max_new_tokens, rounded up to 256), so the compiled
+    step keeps one shape per batch size instead of recompiling for each longer prompt. It needs the prompts'
+    lengths up front, so it answers first turns only (`all_turns` runs without it).
     """
     from tqdm.auto import tqdm
 
@@ -113,6 +120,14 @@ def regenerate_responses(
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0],
     )
     device = next(target.parameters()).device
+    if static_cache is None:
+        static_cache = device.type == "cuda" and not all_turns
+    if static_cache and all_turns:
+        raise ValueError("static_cache needs every prompt's length up front, which later turns do not have: "
+                         "pass static_cache=False (--static_cache false) with all_turns")  # fmt: skip
+    if static_cache and todo:
+        gen_config.cache_implementation = "static"
+        gen_config.max_cache_len = static_cache_length(tokenizer, todo, max_new_tokens)
     was_training = target.training
     target.eval()
     saved = (tokenizer.padding_side, tokenizer.pad_token)
@@ -137,6 +152,20 @@ def regenerate_responses(
         tokenizer.padding_side, tokenizer.pad_token = saved
         target.train(was_training)
     return output_file
+
+
+# Static cache lengths are rounded up to this (as the static verification path's capacities are).
+CACHE_LENGTH_STEP = 256
+
+
+def static_cache_length(tokenizer, prompts: list[Prompt], max_new_tokens: int) -> int:
+    """One cache length for every first-turn call: the longest templated prompt + max_new_tokens, rounded up."""
+    longest = max(
+        len(tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=True)["input_ids"])
+        for p in prompts
+    )  # fmt: skip
+    return -(-(longest + max_new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
 
 
 def _answer_batch(target, tokenizer, batch: list[Prompt], gen_config, eos_ids, device, all_turns) -> list[dict]:
