@@ -186,6 +186,10 @@ def test_static_path_note_names_the_compiled_baseline_when_it_ran(results):
         md = results_markdown(dataclasses.replace(results, rows=graphs, settings=settings))
         assert "part of the speedup is the graphs" in md and expected in md
     assert "part of the speedup is the graphs" not in results_markdown(results)  # dynamic path: no note
+    assert "verify forward as a CUDA graph" in md and "whole round" not in md
+    fused = [dict(r, fused_round=True) for r in graphs]
+    md = results_markdown(dataclasses.replace(results, rows=fused, settings=settings))
+    assert "each whole round as one CUDA graph (dspark_fused_round; draft s is then inside verify s)" in md
 
 
 def test_plots_are_written_as_png(saved):

@@ -78,9 +78,11 @@ def results_markdown(results) -> str:
             if settings.get("static_baseline") else "--static_baseline true adds the target's own compiled "
             "static-cache decoding as a second baseline"
         )
+        how = ("each whole round as one CUDA graph (dspark_fused_round; draft s is then inside verify s)"
+               if all(r.get("fused_round") for r in rows) else "the target's verify forward as a CUDA graph")
         out.append(
-            "- the drafts verified through the static path (the target's verify forward as a CUDA graph, "
-            f"generate()'s default on CUDA); the target alone ran eagerly, so part of the speedup is the graphs ({compared})"
+            f"- the drafts verified through the static path ({how}, generate()'s default on CUDA); the target "
+            f"alone ran eagerly, so part of the speedup is the graphs ({compared})"
         )
     if settings.get("static_cache_len"):
         out.append(

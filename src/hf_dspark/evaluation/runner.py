@@ -111,6 +111,7 @@ class CallStats:
     schedule: str | None = None
     target_graphs: bool = False  # the verify forwards replayed as CUDA graphs (the static path)
     draft_graphs: bool = False
+    fused_round: bool = False  # whole rounds as one graph: the draft's time is inside verify_time
 
 
 def generation_stats(draft: nn.Module, output) -> CallStats | None:
@@ -135,6 +136,7 @@ def generation_stats(draft: nn.Module, output) -> CallStats | None:
         schedule=getattr(stats, "schedule", None),
         target_graphs=bool(getattr(stats, "target_graphs", False)),
         draft_graphs=bool(getattr(stats, "draft_graphs", False)),
+        fused_round=bool(getattr(stats, "fused_round", False)),
     )
 
 
@@ -476,6 +478,7 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
         # over the eager target on a small model, so the row says whether they were used.
         "target_graphs": all(c.stats.target_graphs for c in calls),
         "draft_graphs": all(c.stats.draft_graphs for c in calls),
+        "fused_round": all(c.stats.fused_round for c in calls),
         "calibration": None,
     }
     groups = [_raw_confidence_records(draft, c.stats.acceptance.confidence_records) for c in calls]
