@@ -69,6 +69,20 @@ class Row:
         return self.new_tokens / self.seconds if self.seconds > 0 else None
 
 
+# --compare-paths: generate() options of each decoding path, beside the defaults' row.
+PATHS = {
+    "static": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": False},
+    "dynamic": {"dspark_target_graphs": False},
+    "eager": {"dspark_target_graphs": False, "dspark_draft_graphs": False},
+    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True},
+    "compiled": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": True},
+    "compiled-draft": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": True,
+                       "dspark_draft_graphs": True, "dspark_compile_draft": True},
+    "fused-compiled-draft": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile": True,
+                             "dspark_compile_draft": True},
+}
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=None, help="target folder (default: the embedded SmolLM2-135M-Instruct)")
@@ -88,12 +102,13 @@ def parse_args(argv=None):
     parser.add_argument("--static-target", action="store_true",
                         help="also time target.generate() on a static cache (compiled by generate where it can), one "
                         "cache length for the whole run, each batch shape warmed up untimed")
-    parser.add_argument("--compare-paths", action="store_true",
-                        help="also time each draft on each decoding path: /static (dspark_target_graphs=True, "
-                        "dspark_compile=False), /dynamic (dspark_target_graphs=False), /eager (no CUDA graphs at all), "
-                        "/fused (whole rounds as one graph, dspark_fused_round=True; the default on CUDA), /compiled "
-                        "(separate graphs, the verify forward compiled), /compiled-draft (the draft's functions "
-                        "compiled too, dspark_compile_draft=True) and /fused-compiled-draft (both in the fused round)")
+    parser.add_argument("--compare-paths", nargs="*", default=None, choices=list(PATHS), metavar="PATH",
+                        help="also time each draft on these decoding paths (no names: all): static "
+                        "(dspark_target_graphs=True, separate graphs, dspark_compile=False), dynamic "
+                        "(dspark_target_graphs=False), eager (no CUDA graphs at all), fused (whole rounds as one graph, "
+                        "dspark_fused_round=True; the default on CUDA), compiled (separate graphs, the verify forward "
+                        "compiled), compiled-draft (the draft's functions compiled too, dspark_compile_draft=True) and "
+                        "fused-compiled-draft (both in the fused round)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--profile", default=None, metavar="FILE",
@@ -243,21 +258,9 @@ def benchmark(args, setup, progress=None) -> list[Row]:
             add(prompt_lookup_row(*common, reference))
             for name, draft in drafts.items():
                 variants = [(name, {})]  # generate()'s defaults: what a user gets
-                if args.compare_paths:
-                    variants += [
-                        (f"{name}/static", {"dspark_target_graphs": True, "dspark_fused_round": False,
-                                            "dspark_compile": False}),
-                        (f"{name}/dynamic", {"dspark_target_graphs": False}),
-                        (f"{name}/eager", {"dspark_target_graphs": False, "dspark_draft_graphs": False}),
-                        (f"{name}/fused", {"dspark_target_graphs": True, "dspark_fused_round": True}),
-                        (f"{name}/compiled", {"dspark_target_graphs": True, "dspark_fused_round": False,
-                                              "dspark_compile": True}),
-                        (f"{name}/compiled-draft", {"dspark_target_graphs": True, "dspark_fused_round": False,
-                                                    "dspark_compile": True, "dspark_draft_graphs": True,
-                                                    "dspark_compile_draft": True}),
-                        (f"{name}/fused-compiled-draft", {"dspark_target_graphs": True, "dspark_fused_round": True,
-                                                          "dspark_compile": True, "dspark_compile_draft": True}),
-                    ]
+                if args.compare_paths is not None:
+                    wanted = args.compare_paths or list(PATHS)
+                    variants += [(f"{name}/{path}", PATHS[path]) for path in wanted]
                 if getattr(draft.config, "enable_confidence_head", False):
                     sps = {"dspark_sps_table": args.sps_table} if args.sps_table else {}
                     variants += [

@@ -15,7 +15,8 @@ shift $(( $# < 4 ? $# : 4 ))
 HERE=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$OUT"
 # The learning-rate schedule is fitted to MINUTES (the trainer measures its step rate and plans the total);
-# STEPS, when given, caps it (STEPS with a large MINUTES repeats a run with a fixed step count).
+# STEPS, when given, caps it (STEPS with a large MINUTES repeats a run with a fixed step count). PATHS lists the
+# decoding paths timed at batch 1 beside the default (generation_speed.py --compare-paths; each compiles anew).
 STEPS=${STEPS:-1000000}
 python3 "$HERE/../examples/train_dspark.py" --target_model "$TARGET" --train_file "$DATA"/*.jsonl.gz \
   --output_dir "$OUT/dspark" --max_steps "$STEPS" --max_train_minutes "$MINUTES" --save_strategy no \
@@ -27,6 +28,6 @@ hf-dspark eval --target "$TARGET" --draft dspark="$OUT/dspark" \
 common=(--target "$TARGET" --draft "dspark=$OUT/dspark" --prompts "$DATA/mt-bench.jsonl" --dtype bfloat16
         --temperatures 0 1)
 python3 "$HERE/generation_speed.py" "${common[@]}" --num-prompts 4 --max-new-tokens 128 --batch-sizes 1 \
-  --static-target --compare-paths --json "$OUT/speed_b1.json"
+  --static-target --compare-paths ${PATHS:-compiled compiled-draft fused-compiled-draft} --json "$OUT/speed_b1.json"
 python3 "$HERE/generation_speed.py" "${common[@]}" --num-prompts 64 --max-new-tokens 128 --batch-sizes 4 16 64 \
   --static-target --json "$OUT/speed_sweep.json"

@@ -32,8 +32,8 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     rows = result["rows"]
     methods = {r["method"] for r in rows}
     assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark/static", "dspark/dynamic", "dspark/eager", "dspark/fused",
-            "dspark/compiled", "dspark/compiled-draft", "dspark+threshold", "dspark+prefix", "dflash", "eagle3",
-            "eagle3/compiled-draft"} <= methods
+            "dspark/compiled", "dspark/compiled-draft", "dspark/fused-compiled-draft", "dspark+threshold",
+            "dspark+prefix", "dflash", "eagle3", "eagle3/compiled-draft"} <= methods
     assert result["complete"] is True
     for row in rows:
         assert not row["note"].startswith("failed"), row  # a compared path that errors is reported, not hidden
@@ -50,6 +50,16 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     assert [r["static_warmup_calls"] for r in static] == [1, 2, 2, 2]
     assert [r["static_cache_batch_shapes"] for r in static] == [[1], [1, 4], [1, 4], [1, 4]]
     assert "per new token" in profile.read_text()
+
+
+def test_compare_paths_takes_a_subset(generation_speed, tmp_path):
+    out = tmp_path / "speed.json"
+    argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--num-prompts", "2",
+            "--temperatures", "0", "--json", str(out), "--compare-paths", "fused", "eager"]  # fmt: skip
+    assert generation_speed.main(argv) == 0
+    methods = [r["method"] for r in json.loads(out.read_text())["rows"] if r["method"].startswith("dspark")]
+    assert sorted(m for m in methods if "/" in m) == ["dspark/eager", "dspark/fused"]
+    assert all(r["matches_target"] for r in json.loads(out.read_text())["rows"] if r["method"] in methods)
 
 
 def test_greedy_agreement_reports_divergence(generation_speed):
