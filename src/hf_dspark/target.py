@@ -16,7 +16,7 @@ import json
 import math
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -341,12 +341,22 @@ def target_features(
         return hooks.features, hooks.last_hidden
 
 
+def static_cache_length(prompts: Iterable[Sequence[int]], max_new_tokens: int, step: int = 256) -> int:
+    """One static-cache length for every generate() call of a run: its longest prompt + max_new_tokens, rounded up
+    to `step`, so the compiled decoding step keeps one shape (the speed tools' baseline, `regenerate`)."""
+    longest = max((len(p) for p in prompts), default=0)
+    if longest == 0 or max_new_tokens < 1:
+        raise ValueError(f"need prompts and max_new_tokens >= 1, got longest prompt {longest}, {max_new_tokens}")
+    return -(-(longest + int(max_new_tokens)) // step) * step
+
+
 __all__ = [
     "CompiledDecoderLayers",
     "TargetSpec",
     "TargetFeatureHooks",
     "default_target_layer_ids",
     "decoder_layers",
+    "static_cache_length",
     "final_norm",
     "validate_layer_ids",
     "target_config_hash",

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
+from ..target import static_cache_length
 from .prompts import Prompt, eos_token_ids, new_token_lengths, read_prompts
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,10 @@ def regenerate_responses(
                          "pass static_cache=False (--static_cache false) with all_turns")  # fmt: skip
     if static_cache and todo:
         gen_config.cache_implementation = "static"
-        gen_config.max_cache_len = static_cache_length(tokenizer, todo, max_new_tokens)
+        first_turns = [_prompt_text(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in todo]
+        # Tokenized as _answer_batch tokenizes them, so the cache fits every call's prompt.
+        ids = tokenizer(first_turns, add_special_tokens=False)["input_ids"]
+        gen_config.max_cache_len = static_cache_length(ids, max_new_tokens)
     was_training = target.training
     target.eval()
     saved = (tokenizer.padding_side, tokenizer.pad_token)
@@ -154,18 +158,9 @@ def regenerate_responses(
     return output_file
 
 
-# Static cache lengths are rounded up to this (as the static verification path's capacities are).
-CACHE_LENGTH_STEP = 256
-
-
-def static_cache_length(tokenizer, prompts: list[Prompt], max_new_tokens: int) -> int:
-    """One cache length for every first-turn call: the longest templated prompt + max_new_tokens, rounded up."""
-    longest = max(
-        len(tokenizer.apply_chat_template([{"role": "user", "content": p.turns[0]}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"])
-        for p in prompts
-    )  # fmt: skip
-    return -(-(longest + max_new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+def _prompt_text(tokenizer, messages: list[dict]) -> str:
+    """A conversation so far, rendered with the chat template up to the assistant's turn."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _answer_batch(target, tokenizer, batch: list[Prompt], gen_config, eos_ids, device, all_turns) -> list[dict]:
@@ -179,7 +174,7 @@ def _answer_batch(target, tokenizer, batch: list[Prompt], gen_config, eos_ids, d
         active = [i for i, p in enumerate(batch) if r < len(p.turns)]
         for i in active:
             messages[i].append({"role": "user", "content": batch[i].turns[r]})
-        texts = [tokenizer.apply_chat_template(messages[i], tokenize=False, add_generation_prompt=True) for i in active]
+        texts = [_prompt_text(tokenizer, messages[i]) for i in active]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         out = target.generate(**enc, generation_config=gen_config)
         new = out[:, enc["input_ids"].shape[1] :]  # [A, <= max_new_tokens]

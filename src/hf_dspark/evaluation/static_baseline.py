@@ -33,14 +33,7 @@ import torch
 
 from ..generation.cuda_graphs import CAPACITY_STEP
 from ..generation.scheduler import cache_kwarg_name
-
-
-def static_cache_length(prompts: Iterable[Sequence[int]], max_new_tokens: int, step: int = CAPACITY_STEP) -> int:
-    """The one cache length of a run: its longest prompt + max_new_tokens, rounded up to `step`."""
-    longest = max((len(p) for p in prompts), default=0)
-    if longest == 0 or max_new_tokens < 1:
-        raise ValueError(f"need prompts and max_new_tokens >= 1, got longest prompt {longest}, {max_new_tokens}")
-    return -(-(longest + int(max_new_tokens)) // step) * step
+from ..target import static_cache_length
 
 
 class StaticTargetBaseline:
@@ -53,7 +46,7 @@ class StaticTargetBaseline:
     def __init__(self, target, prompts: Iterable[Sequence[int]], max_new_tokens: int):
         self.target = target
         self.max_new_tokens = int(max_new_tokens)
-        self.cache_len = static_cache_length(prompts, max_new_tokens)
+        self.cache_len = static_cache_length(prompts, max_new_tokens, CAPACITY_STEP)
         self.cache_kwarg = cache_kwarg_name(target)
         self._caches: dict[int, object] = {}  # batch rows -> its StaticCache, kept for the whole run
         self._warmed: set[int] = set()  # batch shapes warmed up: one untimed call each

@@ -21,8 +21,8 @@ shapes.
 from __future__ import annotations
 
 import collections
-import json
 import contextlib
+import json
 import logging
 import math
 import statistics
@@ -193,8 +193,9 @@ class DraftTrainer(Trainer):
         result = super().train(resume, *args, **kwargs)
         if self.is_world_process_zero():  # which functions compiled, when, how often and why: compile_report.json
             report = compile_report(since_us)
-            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(self.args.output_dir) / "compile_report.json").write_text(json.dumps(report, indent=1) + "\n")
+            output_dir = Path(self.args.output_dir)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "compile_report.json").write_text(json.dumps(report, indent=1) + "\n")
             if report["frames"]:
                 top = ", ".join(f"{f['function']} {f['seconds']:.1f} s x{f['count']}" for f in report["frames"][:3])
                 logger.info("torch.compile took %.1f s of this run in %d compilations (%s); compile_report.json "
