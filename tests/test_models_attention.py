@@ -197,6 +197,48 @@ def test_flex_block_mask_matches_dense_mask(qwen3):
     torch.testing.assert_close(flex.confidence_logits, dense.confidence_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+    "context,num_blocks,block_size",
+    [(40, 4, 7), (1024, 146, 7), (300, 37, 7), (512, 20, 16), (256, 3, 200), (384, 3, 128), (130, 3, 1)],
+)
+def test_anchor_block_tiles_match_create_block_mask(context, num_blocks, block_size):
+    """The tile map built from the anchors equals create_block_mask's from the dense rule: an extra tile would cost
+    time, a missing or wrongly full one would change the attention. Random anchors, dummy anchors at 0, lengths
+    off the 128 grid, blocks larger than a tile (whole tiles inside one block)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hf_dspark.models.anchors import FLEX_TILE, anchor_block_tiles, flex_block_mask
+
+    g = torch.Generator().manual_seed(context + num_blocks)
+    rows = []
+    for r in range(3):
+        n_real = num_blocks - r  # row r has r dummy anchors (position 0) at its end
+        real = torch.randperm(context - 1, generator=g)[:n_real].sort().values
+        rows.append(torch.cat([real, torch.zeros(r, dtype=torch.long)]))
+    anchors = torch.stack(rows)
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)
+    q_len = num_blocks * block_size
+    for kv_len in (context + q_len, -(-(context + q_len) // FLEX_TILE) * FLEX_TILE + FLEX_TILE):
+        dense = dense_block_mask(anchors, context, block_size)  # [B, 1, Q, context + Q]
+        dense = torch.nn.functional.pad(dense, (0, kv_len - dense.shape[-1]))  # padded keys: never attended
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return dense[b, 0, q_idx, kv_idx]
+
+        expected = create_block_mask(mask_mod, anchors.shape[0], None, q_len, kv_len, device="cpu")
+        partial, full = anchor_block_tiles(q_anchor, context, block_size, kv_len)
+        if context >= 1024 or block_size >= FLEX_TILE:  # whole context tiles; whole tiles inside one block
+            assert full.any()
+        for tiles, num, idx in ((partial, expected.kv_num_blocks, expected.kv_indices),
+                                (full, expected.full_kv_num_blocks, expected.full_kv_indices)):  # fmt: skip
+            listed = torch.arange(idx.shape[-1]) < num[..., None]  # the first num[b, h, t] indices count
+            reference = torch.zeros_like(tiles).scatter_(-1, idx.long(), listed)
+            assert torch.equal(tiles, reference)
+    built = flex_block_mask(anchors, context, block_size)
+    assert built.seq_lengths == (q_len, -(-(context + q_len) // FLEX_TILE) * FLEX_TILE)  # CPU: keys tile-padded
+    assert built.q_num_blocks is not None  # the backward's transposed map is there too
+
+
 def test_flex_attention_reads_no_memory_past_the_keys():
     """The compiled CPU flex kernel over-reads a partial last key tile on some ISAs (AVX2): with NaN stored right
     after the keys, the last batch row turned NaN. The mask pads keys to whole tiles; NaN beyond must not leak."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 try:
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover
-    create_block_mask = None
+    BlockMask = None
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -69,25 +69,29 @@ def dense_block_mask(anchor_positions: torch.Tensor, context_len: int, block_siz
     return torch.cat([sees_ctx, sees_block], dim=-1).unsqueeze(1)
 
 
-# flex_attention's key tile (BlockMask.BLOCK_SIZE[1]).
-FLEX_KV_TILE = 128
+# flex_attention's query and key tile (BlockMask.BLOCK_SIZE).
+FLEX_TILE = 128
 
 
 def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size: int):
     """The same rule as a flex_attention BlockMask (sparse: blocks skip masked tiles).
+
+    The tile map is computed from the anchors directly (`anchor_block_tiles`), not by `create_block_mask`, which
+    evaluates the rule on every query x key pair and had to be compiled anew for every batch shape and grad mode
+    (96 s of a 12-minute training run went to those compilations).
 
     On CPU the mask covers keys padded to whole 128-key tiles (`attend` pads keys/values to
     `mask.seq_lengths[1]`): torch's compiled CPU flex kernel reads key rows past the end of a partial last tile
     on some ISAs (seen with AVX2, torch 2.13), so the last batch row attended to whatever memory followed the key
     tensor (NaN or garbage). Padded keys fall outside every block and are masked out. CUDA needs no padding.
     """
-    if create_block_mask is None:  # pragma: no cover
+    if BlockMask is None:  # pragma: no cover
         raise RuntimeError("flex_attention is not available in this torch build")
     batch, num_blocks = anchor_positions.shape
     q_len = num_blocks * block_size
     kv_len = context_len + q_len
     if anchor_positions.device.type == "cpu":
-        kv_len = -(-kv_len // FLEX_KV_TILE) * FLEX_KV_TILE
+        kv_len = -(-kv_len // FLEX_TILE) * FLEX_TILE
     q_anchor = anchor_positions.repeat_interleave(block_size, dim=1)  # [B, Q]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -96,7 +100,67 @@ def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size
         same_block = (kv_idx - context_len) // block_size == q_idx // block_size  # padding: block >= N
         return (in_ctx & sees_ctx) | (~in_ctx & same_block)
 
-    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=anchor_positions.device, _compile=True)
+    partial, full = anchor_block_tiles(q_anchor, context_len, block_size, kv_len)
+    return BlockMask.from_kv_blocks(
+        *_ordered_tiles(partial), *_ordered_tiles(full), BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod,
+        seq_lengths=(q_len, kv_len),
+    )  # fmt: skip
 
 
-__all__ = ["anchor_candidates", "sample_anchors", "block_positions", "dense_block_mask", "flex_block_mask"]
+def anchor_block_tiles(
+    q_anchor: torch.Tensor, context_len: int, block_size: int, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which FLEX_TILE x FLEX_TILE tiles of the anchor-block rule are partly and which wholly attended.
+
+    q_anchor [B, Q]: the anchor of each query row (row q is slot q % block_size of block q // block_size; an
+    anchor never exceeds context_len - 1). Keys: context [0, context_len), then the blocks, then padding up to
+    kv_len. Row q attends context keys k < anchor(q) and the keys of its own block. Returns bool
+    `(partial, full)` [B, 1, Q tiles, KV tiles], exactly what create_block_mask derives from the dense mask
+    (edge tiles, padded with masked entries, are never full), from per-tile bounds: O(B x tiles), no [Q, KV] mask.
+    """
+    batch, q_len = q_anchor.shape
+    device, tile = q_anchor.device, FLEX_TILE
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    pad = q_tiles * tile - q_len
+    # Per query tile: the largest and smallest anchor of its rows and the range of blocks they belong to.
+    a_max = _pad_right(q_anchor, pad, -1).view(batch, q_tiles, tile).amax(-1)[:, :, None]  # [B, QT, 1]
+    a_min = _pad_right(q_anchor, pad, kv_len).view(batch, q_tiles, tile).amin(-1)[:, :, None]
+    q0 = torch.arange(q_tiles, device=device) * tile
+    q1 = (q0 + tile).clamp(max=q_len)
+    blocks_lo = (context_len + (q0 // block_size) * block_size)[:, None]  # [QT, 1]: first key of the first block
+    blocks_hi = (context_len + ((q1 - 1) // block_size + 1) * block_size)[:, None]  # one past the last block's
+    single_block = ((q0 // block_size) == ((q1 - 1) // block_size))[:, None]
+    whole_q = (q1 - q0 == tile)[:, None]
+    k0 = torch.arange(kv_tiles, device=device) * tile
+    k1 = (k0 + tile).clamp(max=kv_len)
+    whole = whole_q & (k1 - k0 == tile)[None, :]  # [QT, KT]
+
+    any_ctx = k0 < a_max  # some row's anchor lies past the tile's first key (anchors sit inside the context)
+    any_block = torch.maximum(k0, blocks_lo) < torch.minimum(k1, blocks_hi)
+    full_ctx = whole & (k1 - 1 < a_min)  # every key before every row's anchor
+    full_block = whole & single_block & (k0 >= blocks_lo) & (k1 <= blocks_hi)  # only when block_size >= a tile
+    full = full_ctx | full_block
+    partial = (any_ctx | any_block) & ~full
+    return partial.unsqueeze(1), full.unsqueeze(1)
+
+
+def _pad_right(x: torch.Tensor, right: int, value: int) -> torch.Tensor:
+    """Pad the last dimension of `x` on the right with `value`."""
+    return torch.nn.functional.pad(x, (0, right), value=value) if right else x
+
+
+def _ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [B, H, QT, KT] -> (tiles per query row [B, H, QT], their indices first, ascending [B, H, QT, KT])."""
+    dense = tiles.to(torch.int32)
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
+    return dense.sum(-1, dtype=torch.int32), indices.to(torch.int32)
+
+
+__all__ = [
+    "anchor_block_tiles",
+    "anchor_candidates",
+    "sample_anchors",
+    "block_positions",
+    "dense_block_mask",
+    "flex_block_mask",
+]
