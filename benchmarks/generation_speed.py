@@ -7,10 +7,11 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
   <draft>/static, /dynamic, /eager, /fused, /compiled, /compiled-draft, /fused-compiled-draft   with
                 --compare-paths: the static verification path in separate graphs with its verify forward uncompiled,
-                the dynamic cache, no CUDA graphs at all, whole rounds as one graph (dspark_fused_round, the default
-                on CUDA where it applies; verify forward compiled as by default), separate graphs with the verify
+                the dynamic cache, no CUDA graphs at all, whole rounds as one graph with the draft uncompiled
+                (dspark_fused_round; verify forward compiled as by default), separate graphs with the verify
                 forward compiled before capture (dspark_compile), and with the draft's proposal and extension
-                compiled too (dspark_compile_draft), separately or inside the fused round
+                compiled too (dspark_compile_draft), separately or inside the fused round (the default on CUDA
+                where the fused round applies)
   target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
                 generate() on CUDA), the fastest target-alone baseline. Not plain cache_implementation="static":
                 generate() sizes each call's new StaticCache by that call's prompt length + max_new_tokens (never
@@ -74,7 +75,7 @@ PATHS = {
     "static": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": False},
     "dynamic": {"dspark_target_graphs": False},
     "eager": {"dspark_target_graphs": False, "dspark_draft_graphs": False},
-    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True},
+    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile_draft": False},
     "compiled": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": True},
     "compiled-draft": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": True,
                        "dspark_draft_graphs": True, "dspark_compile_draft": True},

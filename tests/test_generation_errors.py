@@ -236,6 +236,8 @@ def test_auto_target_graphs_on_cuda_only_where_the_static_path_fits():
 def test_fused_round_needs_the_static_path_whole_blocks_and_no_per_step_scores(target, draft):
     with pytest.raises(ValueError, match="dspark_fused_round must be True, False or 'auto'"):
         _generate(target, draft, dspark_fused_round="yes")
+    with pytest.raises(ValueError, match="dspark_compile_draft must be True, False or 'auto'"):
+        _generate(target, draft, dspark_compile_draft="yes")
     # "auto" (the default) fuses only on CUDA: here the forced static path keeps separate runners.
     out = _generate(target, draft, return_dict_in_generate=True, dspark_target_graphs=True)
     assert not out.speculative_stats.fused_round

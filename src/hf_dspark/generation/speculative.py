@@ -165,13 +165,14 @@ class SpeculativeConfig:
             error where the static path is not used); False: never. The first call of a shape compiles (tens of
             seconds, as transformers' own static-cache generate() does); later calls of that shape replay the kept
             graph. Where compilation fails, the uncompiled forward is captured (with a warning).
-        compile_draft (`bool`, field `dspark_compile_draft`, defaults to False): on the static draft path
-            (`draft_graphs`, the fused round included), `torch.compile` the draft's proposal and context extension
-            before they are captured: the proposal is a chain of small kernels per slot (logits, processors,
-            softmax, the draw), about a fifth of a compiled round at batch 1 on an H200, where compiling it made
-            separate-graph rounds 4-10% faster. Off by default until timed inside the fused round
-            (`generation_speed.py --compare-paths`, row /fused-compiled-draft). Where compilation fails, the
-            uncompiled functions are captured.
+        compile_draft (`bool` or "auto", field `dspark_compile_draft`, defaults to "auto"): on the static draft
+            path (`draft_graphs`, the fused round included), `torch.compile` the draft's proposal and context
+            extension before they are captured: the proposal is a chain of small kernels per slot (logits,
+            processors, softmax, the draw). "auto": inside the fused round on CUDA (measured on an H200 with
+            SmolLM2 at batch 1, greedy: 2.83 ms a round against 3.34 uncompiled, 569 against 483 tokens/s; in
+            separate graphs it gained 1-10%, so it stays off there); True: wherever the static draft path runs
+            (eagerly on CPU too); False: never. The first call of a shape compiles (about 20 s on that machine).
+            Where compilation fails, the uncompiled functions are captured.
     """
 
     schedule: str = "none"
@@ -182,7 +183,7 @@ class SpeculativeConfig:
     target_graphs: bool | str = "auto"
     fused_round: bool | str = "auto"
     compile: bool | str = "auto"
-    compile_draft: bool = False
+    compile_draft: bool | str = "auto"
 
     FIELDS = {
         "dspark_schedule": "schedule",
@@ -220,12 +221,10 @@ class SpeculativeConfig:
             raise ValueError(f"dspark_schedule={self.schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}")
         if not 0.0 <= float(self.threshold) <= 1.0:
             raise ValueError(f"dspark_threshold must be in [0, 1], got {self.threshold}")
-        for name in ("draft_graphs", "target_graphs", "fused_round", "compile"):
+        for name in ("draft_graphs", "target_graphs", "fused_round", "compile", "compile_draft"):
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"dspark_{name} must be True, False or 'auto', got {value!r}")
-        if self.compile_draft not in (True, False):
-            raise ValueError(f"dspark_compile_draft must be True or False, got {self.compile_draft!r}")
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -508,7 +507,9 @@ class _Decoder:
                 "dspark_compile=True compiles the static verification path's forward, which this call does not use: "
                 "add dspark_target_graphs=True (or cache_implementation='static')"
             )
-        if config.compile_draft and not self.static_draft:
+        # The draft's functions compiled before capture: by default inside the fused round on CUDA.
+        self.compile_draft = config.compile_draft is True or (config.compile_draft == "auto" and self.fused and on_cuda)
+        if config.compile_draft is True and not self.static_draft:
             raise ValueError("dspark_compile_draft=True compiles the static draft path's functions, but the static "
                              "draft path is not in use (dspark_draft_graphs)")
         self.stats = SpeculativeStats(
@@ -681,14 +682,14 @@ class _Decoder:
                 fused = fused_round_runner(
                     draft, target_runner, self.sampler, self.logits_processor, self.do_sample,
                     tuple(self.eos_ids.tolist()) if self.eos_ids is not None else (), self.num_tokens, capacity,
-                    capture=device.type == "cuda", compile_draft=self.config.compile_draft,
+                    capture=device.type == "cuda", compile_draft=self.compile_draft,
                 )
                 fused.reset()
                 dcache = fused.dcache
             elif self.static_draft:
                 runner = static_draft_runner(
                     draft, len(row_ids), capacity, self.sampler, self.logits_processor, self.do_sample,
-                    self.num_tokens, capture=self.capture_graphs, compile=self.config.compile_draft,
+                    self.num_tokens, capture=self.capture_graphs, compile=self.compile_draft,
                 )
                 dcache = runner.cache
             else:
