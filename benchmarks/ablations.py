@@ -10,7 +10,10 @@ A small target leaves most of a large GPU idle (its steps are launch-bound), so 
 runs with each other (same sharing), not with runs made alone.
 
 Every variant is the default recipe (`examples/train_dspark.py` with no flags) plus the flags listed in VARIANTS,
-so one flag changes at a time. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
+so one flag changes at a time. `--data_variant NAME=FILES` adds a variant that changes the data instead: the default
+recipe trained on FILES (comma-separated files or quoted globs) in place of `--data`, e.g. answers sampled at
+another temperature. Its held-out rows come from its own data, so compare data variants by decoding τ
+(`--eval_data`), not held-out τ. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
 reached, the held-out τ curve by step and training time) and ablations.png (held-out τ_prob against training time),
 and prints a table of the last held-out τ_prob and τ_greedy. With `--eval_data`, every variant's draft is then
 decoded on those prompt files by `hf-dspark eval` (T 0 and 1; the three drafters: `--variants baseline dflash
@@ -61,6 +64,9 @@ def parse_args(argv=None):
     p.add_argument("--data", nargs="+", default=None, help="conversations (files or a quoted glob)")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--data_variant", action="append", default=[], metavar="NAME=FILES",
+                   help="a variant trained on other data (comma-separated files or quoted globs), the recipe unchanged; "
+                   "repeatable")  # fmt: skip
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of each run (compilation included)")
     p.add_argument("--max_steps", type=int, default=None,
                    help="a fixed schedule length instead of one fitted to the budget")  # fmt: skip
@@ -78,6 +84,20 @@ def parse_args(argv=None):
     p.add_argument("--eval_max_new_tokens", type=int, default=256)
     p.add_argument("--eval_batch_size", type=int, default=16)
     return p.parse_args(argv)
+
+
+def data_variants(specs: list[str]) -> dict[str, list[str]]:
+    """`--data_variant NAME=FILES` values -> {NAME: ["--train_file", file, ...]} (flags that replace --data)."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, files = spec.partition("=")
+        paths = [f for f in files.split(",") if f]
+        if not sep or not name or not paths:
+            raise SystemExit(f"--data_variant expects NAME=FILE[,FILE...], got {spec!r}")
+        if name in VARIANTS or name in out:
+            raise SystemExit(f"--data_variant name {name!r} is already a variant: pick another")
+        out[name] = ["--train_file", *paths]
+    return out
 
 
 def run_command(args, name: str, flags: list[str]) -> list[str]:
@@ -141,9 +161,10 @@ def main(argv=None) -> dict:
             raise SystemExit("--smoke still needs --data (a conversations file the target's tokenizer can render)")
     if args.data is None:
         raise SystemExit("--data is required: the target's own answers (JSONL(.gz) conversations)")
+    flags_of = {name: VARIANTS[name] for name in args.variants} | data_variants(args.data_variant)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    pending = list(args.variants)
+    pending = list(flags_of)
     running: dict[str, tuple[str, subprocess.Popen, float]] = {}
     if args.runs_per_gpu < 1:
         raise SystemExit(f"--runs_per_gpu must be >= 1, got {args.runs_per_gpu}")
@@ -156,7 +177,7 @@ def main(argv=None) -> dict:
             if args.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = gpu
             log = open(root / f"{name}.log", "w")
-            proc = subprocess.Popen(run_command(args, name, VARIANTS[name]), stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(run_command(args, name, flags_of[name]), stdout=log, stderr=subprocess.STDOUT, env=env)
             running[name] = (gpu, proc, time.monotonic())
             print(f"started {name} on {gpu}", flush=True)
         time.sleep(2)
@@ -166,7 +187,7 @@ def main(argv=None) -> dict:
             del running[name]
             free.append(gpu)
             points = curve(root / name)
-            results[name] = {"flags": VARIANTS[name], "returncode": proc.returncode,
+            results[name] = {"flags": flags_of[name], "returncode": proc.returncode,
                              "wall_s": time.monotonic() - start, "held_out": points, **step_rate(root / name)}  # fmt: skip
             print(f"finished {name} (rc {proc.returncode}): {points[-1] if points else 'no evaluation'}", flush=True)
     report = {

@@ -191,11 +191,18 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
     out = tmp_path / "abl"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"What is {i} plus {i}?"]}) + "\n" for i in range(3)))
+    more = tmp_path / "more_chats.jsonl"
+    write_chats(more, 6, start=12)
+    both = f"{tiny_setup / 'chats.jsonl'},{more}"
     report = ablations.main(["--smoke", "--target", str(tiny_setup / "target"), "--data", str(tiny_setup / "chats.jsonl"),
-                             "--output_dir", str(out), "--variants", "baseline", "sequence_normalization",
+                             "--output_dir", str(out), "--variants", "baseline", "--data_variant", f"more_data={both}",
                              "--eval_data", str(prompts), "--eval_prompts", "2", "--eval_max_new_tokens", "8",
                              "--eval_batch_size", "2"])  # fmt: skip
-    assert set(report["variants"]) == {"baseline", "sequence_normalization"}
+    assert set(report["variants"]) == {"baseline", "more_data"}
+    # The data variant trained on its own files (12 + 6 conversations, 4 held out), the baseline on --data's 12.
+    assert report["variants"]["more_data"]["flags"] == ["--train_file", str(tiny_setup / "chats.jsonl"), str(more)]
+    epochs = {name: ablations.log_history(out / name)[-1]["epoch"] for name in report["variants"]}
+    assert epochs == {"baseline": pytest.approx(4 * 2 / 8), "more_data": pytest.approx(4 * 2 / 14)}  # 4 steps of 2
     for name, run in report["variants"].items():
         assert run["returncode"] == 0, (out / f"{name}.log").read_text()[-2000:]
         assert run["held_out"] and all(p["elapsed_s"] > 0 and p["eval_tau_prob"] >= 1.0 for p in run["held_out"])
@@ -207,5 +214,5 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
     # Every variant's draft decoded on the same prompts, greedy and T = 1.
     decoding = report["decoding_eval"]
     assert decoding["returncode"] == 0, (out / "eval.log").read_text()[-2000:]
-    assert set(decoding["tau"]) == {"baseline", "sequence_normalization"}
+    assert set(decoding["tau"]) == {"baseline", "more_data"}
     assert all(set(t) == {"prompts@T0", "prompts@T1"} and min(t.values()) >= 1.0 for t in decoding["tau"].values())
