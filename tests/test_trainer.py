@@ -152,6 +152,50 @@ def test_logs_report_tau_estimates_and_each_loss_term(tmp_path):
     assert first["eval_loss"] == second["eval_loss"] and first["eval_tau_prob"] == second["eval_tau_prob"]
 
 
+def test_training_batches_are_whole_and_evaluation_sees_every_row(tmp_path, monkeypatch):
+    """A smaller last batch is a new shape (recompiled kernels on GPU): training skips it (drop_last, on by
+    default; the order changes each epoch), evaluation still reads every held-out row."""
+    target = make_tiny_target("llama")
+    trainer = DraftTrainer(args=make_args(tmp_path, max_steps=7, per_device_train_batch_size=2,
+                                          per_device_eval_batch_size=2),
+                           train_dataset=tokenized_rows(7), eval_dataset=tokenized_rows(5, seed=1),
+                           target_model=target)  # fmt: skip
+    assert trainer.args.dataloader_drop_last
+    seen = {"train": [], "eval": []}
+    compute_loss = trainer.compute_loss
+
+    def recording(model, inputs, *a, **kw):
+        seen["train" if model.training else "eval"].append(inputs["input_ids"].shape[0])
+        return compute_loss(model, inputs, *a, **kw)
+
+    monkeypatch.setattr(trainer, "compute_loss", recording)
+    trainer.train()  # 7 rows, batches of 2: three whole batches an epoch, seven steps over three epochs
+    assert seen["train"] == [2] * 7
+    trainer.evaluate()
+    assert seen["eval"] == [2, 2, 1]
+    assert trainer.args.dataloader_drop_last  # restored after building the evaluation loader
+
+
+def test_evaluation_in_grad_mode_gives_the_same_numbers_and_leaves_no_gradients(tmp_path, monkeypatch):
+    """Where the loss or attention is compiled, evaluation runs in grad mode to reuse the training step's compiled
+    graphs (`_evaluation_grad_mode`); the numbers must be the no_grad ones and no gradient may be left behind."""
+    target = make_tiny_target("qwen3")
+    trainer = DraftTrainer(args=make_args(tmp_path, max_steps=1), train_dataset=tokenized_rows(),
+                           eval_dataset=tokenized_rows(4, seed=1), target_model=target)  # fmt: skip
+    trainer.train()
+    trainer.model.zero_grad(set_to_none=True)
+    assert isinstance(trainer._evaluation_grad_mode(), torch.no_grad)  # CPU, eager loss: nothing compiled
+    plain = trainer.evaluate()
+    trainer.args.compile_loss = True
+    assert isinstance(trainer._evaluation_grad_mode(), torch.enable_grad)
+    trainer.args.compile_loss = False
+    monkeypatch.setattr(trainer, "_evaluation_grad_mode", torch.enable_grad)  # the compiled case's grad mode
+    in_grad_mode = trainer.evaluate()
+    for key in ("eval_loss", "eval_tau_prob", "eval_tau_greedy", "eval_loss_l1"):
+        assert in_grad_mode[key] == pytest.approx(plain[key], rel=1e-6), key
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+
 def learnable_rows(n: int = 8) -> datasets.Dataset:
     """Sequences of a fixed recurrence x -> 7x + 5 (mod 93): the next tokens are predictable from the anchor."""
     rows = []

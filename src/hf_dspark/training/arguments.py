@@ -28,6 +28,11 @@ class DraftTrainingArguments(TrainingArguments):
     bf16: bool | None = field(
         default=None, metadata={"help": "bfloat16 mixed precision (default: on where the GPU supports it)."}
     )
+    dataloader_drop_last: bool = field(
+        default=True,
+        metadata={"help": "Skip each epoch's last, smaller training batch: a new batch shape recompiles the compiled "
+                  "kernels (the order changes every epoch, so no row is always skipped). Evaluation keeps every row."},
+    )  # fmt: skip
 
     # -- draft ---------------------------------------------------------------------------------------------------
     algorithm: str = field(default="dspark", metadata={"help": "Drafter to train: dspark, dflash or eagle3."})
