@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_target, require_default_target
+from conftest import make_tiny_target, require_default_target, tiny_target_config
 from torch import nn
 
 from hf_dspark.data import load_conversations, regenerate_responses, tokenize_conversations
@@ -214,3 +214,34 @@ def test_static_cache_decoding_answers_like_the_dynamic_cache(tmp_path, target, 
     with pytest.raises(ValueError, match="static_cache needs every prompt's length up front"):
         regenerate_responses(target, tokenizer, PROMPTS, tmp_path / "x.jsonl", all_turns=True, static_cache=True,
                              **settings)  # fmt: skip
+
+
+def test_grouped_attention_writes_what_sdpa_writes(tmp_path, tokenizer):
+    """grouped_attention (default on): an "sdpa" target with grouped key/value heads answers through
+    hf_dspark.grouped_sdpa during the run, writes exactly what plain "sdpa" writes (greedy, static cache, float32)
+    and gets its own attention setting back afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dspark.grouped_sdpa import NAME
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_target_config("llama", vocab_size=len(tokenizer)),
+                                              attn_implementation="sdpa").eval()  # fmt: skip
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    used = []
+    original = target.generate
+
+    def generate(*args, **kwargs):
+        used.append(target.config._attn_implementation)
+        return original(*args, **kwargs)
+
+    target.generate = generate
+    first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
+    settings = dict(batch_size=2, max_new_tokens=12, temperature=0, progress=False, static_cache=True)
+    grouped = regenerate_responses(target, tokenizer, first_turns, tmp_path / "grouped.jsonl", **settings)
+    assert set(used) == {NAME} and target.config._attn_implementation == "sdpa"
+    used.clear()
+    plain = regenerate_responses(target, tokenizer, first_turns, tmp_path / "plain.jsonl", grouped_attention=False,
+                                 **settings)  # fmt: skip
+    assert set(used) == {"sdpa"}
+    assert read_rows(grouped) == read_rows(plain)

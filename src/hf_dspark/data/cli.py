@@ -26,6 +26,8 @@ class RegenerateArguments:
     all_turns: bool = field(False, help="answer every turn, not only the first")
     static_cache: str = field("auto", help="decode on a static cache with generate()'s compiled step ('auto': on "
                               "CUDA for first turns)", choices=("auto", "true", "false"))  # fmt: skip
+    grouped_attention: bool = field(True, help="attend without copying keys/values per query head (sdpa targets "
+                                    "with grouped KV heads; same results)")  # fmt: skip
 
 
 @dataclass
@@ -101,6 +103,7 @@ def run_regenerate(args) -> int:
         seed=args.seed,
         all_turns=args.all_turns,
         static_cache={"auto": None, "true": True, "false": False}[args.static_cache],
+        grouped_attention=args.grouped_attention,
     )
     print(f"conversations written to {out}")
     return 0

@@ -7,6 +7,7 @@ resumable: ids already in the file are skipped, and a last line cut off by a cra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
+from ..grouped_sdpa import grouped_sdpa
 from ..target import static_cache_length
 from .prompts import Prompt, eos_token_ids, new_token_lengths, read_prompts
 
@@ -77,6 +79,7 @@ def regenerate_responses(
     all_turns: bool = False,
     progress: bool = True,
     static_cache: bool | None = None,
+    grouped_attention: bool = True,
 ) -> Path:
     """Answer each prompt with `target.generate` and append the conversations to `output_file` (JSONL).
 
@@ -91,6 +94,10 @@ def regenerate_responses(
     Every call gets the same cache length (the longest prompt + max_new_tokens, rounded up to 256), so the compiled
     step keeps one shape per batch size instead of recompiling for each longer prompt. It needs the prompts'
     lengths up front, so it answers first turns only (`all_turns` runs without it).
+
+    `grouped_attention` (default on) runs an "sdpa" target whose query heads share key/value heads through
+    `hf_dspark.grouped_sdpa`: the same attention without transformers' per-step copies of the cache's keys and
+    values, which dominated a step at large batch (34.6 ms at batch 512 for SmolLM2 on an H200).
     """
     from tqdm.auto import tqdm
 
@@ -140,8 +147,9 @@ def regenerate_responses(
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
     bar = tqdm(total=len(all_prompts), initial=len(all_prompts) - len(todo), unit="prompt", disable=not progress,
                desc="Regenerating answers")
+    attention = grouped_sdpa(target) if grouped_attention else contextlib.nullcontext()
     try:
-        with open(output_file, "a", encoding="utf-8") as out:
+        with attention, open(output_file, "a", encoding="utf-8") as out:
             for start in range(0, len(todo), batch_size):
                 batch = todo[start : start + batch_size]
                 # Seeded by the batch's first prompt, so a resumed run samples like an uninterrupted one would.
