@@ -65,8 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--output_dir", required=True)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--data_variant", action="append", default=[], metavar="NAME=FILES",
-                   help="a variant trained on other data (comma-separated files or quoted globs), the recipe unchanged; "
-                   "repeatable")  # fmt: skip
+                   help="a variant trained on other data (comma-separated files or quoted globs), the recipe "
+                   "unchanged; repeatable")  # fmt: skip
     p.add_argument("--minutes", type=float, default=4.0, help="wall-clock budget of each run (compilation included)")
     p.add_argument("--max_steps", type=int, default=None,
                    help="a fixed schedule length instead of one fitted to the budget")  # fmt: skip
@@ -177,7 +177,8 @@ def main(argv=None) -> dict:
             if args.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = gpu
             log = open(root / f"{name}.log", "w")
-            proc = subprocess.Popen(run_command(args, name, flags_of[name]), stdout=log, stderr=subprocess.STDOUT, env=env)
+            cmd = run_command(args, name, flags_of[name])
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             running[name] = (gpu, proc, time.monotonic())
             print(f"started {name} on {gpu}", flush=True)
         time.sleep(2)
