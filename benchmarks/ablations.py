@@ -12,8 +12,9 @@ runs with each other (same sharing), not with runs made alone.
 Every variant is the default recipe (`examples/train_dspark.py` with no flags) plus the flags listed in VARIANTS,
 so one flag changes at a time. `--data_variant NAME=FILES` adds a variant that changes the data instead: the default
 recipe trained on FILES (comma-separated files or quoted globs) in place of `--data`, e.g. answers sampled at
-another temperature. Its held-out rows come from its own data, so compare data variants by decoding τ
-(`--eval_data`), not held-out τ. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
+another temperature. Held-out rows come from each run's own data unless `--eval_file` gives every run the same
+ones (e.g. the target's greedy answers to prompts like the evaluation's): without it, compare data variants by
+decoding τ (`--eval_data`), not held-out τ. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
 reached, the held-out τ curve by step and training time) and ablations.png (held-out τ_prob against training time),
 and prints a table of the last held-out τ_prob and τ_greedy. With `--eval_data`, every variant's draft is then
 decoded on those prompt files by `hf-dspark eval` (T 0 and 1; the three drafters: `--variants baseline dflash
@@ -72,6 +73,8 @@ def parse_args(argv=None):
                    help="a fixed schedule length instead of one fitted to the budget")  # fmt: skip
     p.add_argument("--eval_steps", type=int, default=200, help="held-out τ every N steps")
     p.add_argument("--eval_rows", type=int, default=256)
+    p.add_argument("--eval_file", nargs="+", default=None,
+                   help="held-out conversations shared by every run (instead of rows split off each run's data)")
     p.add_argument("--gpus", nargs="+", default=["0"], help="CUDA devices")
     p.add_argument("--runs_per_gpu", type=int, default=1, help="concurrent runs per device (they share it)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -112,6 +115,8 @@ def run_command(args, name: str, flags: list[str]) -> list[str]:
            "--disable_tqdm", "True", "--seed", str(args.seed)]  # fmt: skip
     if args.target:
         cmd += ["--target_model", args.target]
+    if args.eval_file:
+        cmd += ["--eval_file", *args.eval_file]
     if args.smoke:
         cmd += ["--use_cpu", "true", "--per_device_train_batch_size", "2", "--max_length", "128", "--block_size", "4",
                 "--per_device_eval_batch_size", "2"]  # fmt: skip

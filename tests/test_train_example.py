@@ -110,6 +110,33 @@ def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):
     assert isinstance(draft, Eagle3Model) and draft.config.ttt_length == 4
 
 
+def test_eval_file_replaces_the_held_out_split(tiny_setup, tmp_path, monkeypatch):
+    """--eval_file: the held-out rows come from that file (its first --eval_rows), every training row trains; runs
+    on different data can then be compared on the same held-out rows."""
+    from hf_dspark.cli import main
+    from hf_dspark.training import script
+
+    seen = {}
+
+    class Recording(script.DraftTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen["train"], seen["eval"] = len(self.train_dataset), len(self.eval_dataset)
+            seen["first_eval_ids"] = self.eval_dataset[0]["input_ids"]
+
+    monkeypatch.setattr(script, "DraftTrainer", Recording)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tiny_setup / "hf_datasets"))
+    held = write_chats(tmp_path / "held_out.jsonl", 5, start=100)
+    flags = common_flags(tiny_setup, "eval_file", "dspark") + [
+        "--eval_file", str(held), "--eval_rows", "3", "--eval_strategy", "steps", "--eval_steps", "1"]  # fmt: skip
+    assert main(["train", *flags]) == 0
+    assert (seen["train"], seen["eval"]) == (12, 3)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_setup / "target")
+    assert "What is 100 plus 100?" in tokenizer.decode(seen["first_eval_ids"])  # the file's first row, in order
+    state = json.loads((tiny_setup / "eval_file" / "trainer_state.json").read_text())
+    assert any("eval_tau_prob" in h for h in state["log_history"])
+
+
 def test_cli_train_help_lists_the_draft_and_data_flags(capsys):
     from hf_dspark.cli import main
 
@@ -194,15 +221,18 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
     more = tmp_path / "more_chats.jsonl"
     write_chats(more, 6, start=12)
     both = f"{tiny_setup / 'chats.jsonl'},{more}"
+    held_out = write_chats(tmp_path / "held_out.jsonl", 4, start=50)
     report = ablations.main(["--smoke", "--target", str(tiny_setup / "target"), "--data", str(tiny_setup / "chats.jsonl"),
                              "--output_dir", str(out), "--variants", "baseline", "--data_variant", f"more_data={both}",
+                             "--eval_file", str(held_out),
                              "--eval_data", str(prompts), "--eval_prompts", "2", "--eval_max_new_tokens", "8",
                              "--eval_batch_size", "2"])  # fmt: skip
     assert set(report["variants"]) == {"baseline", "more_data"}
-    # The data variant trained on its own files (12 + 6 conversations, 4 held out), the baseline on --data's 12.
+    # The data variant trained on its own files (12 + 6 conversations), the baseline on --data's 12.
     assert report["variants"]["more_data"]["flags"] == ["--train_file", str(tiny_setup / "chats.jsonl"), str(more)]
+    # With --eval_file both evaluate on its 4 rows and train on all of their data: 12 and 18 conversations.
     epochs = {name: ablations.log_history(out / name)[-1]["epoch"] for name in report["variants"]}
-    assert epochs == {"baseline": pytest.approx(4 * 2 / 8), "more_data": pytest.approx(4 * 2 / 14)}  # 4 steps of 2
+    assert epochs == {"baseline": pytest.approx(4 * 2 / 12), "more_data": pytest.approx(4 * 2 / 18)}  # 4 steps of 2
     for name, run in report["variants"].items():
         assert run["returncode"] == 0, (out / f"{name}.log").read_text()[-2000:]
         assert run["held_out"] and all(p["elapsed_s"] > 0 and p["eval_tau_prob"] >= 1.0 for p in run["held_out"])

@@ -39,6 +39,14 @@ class DraftScriptArguments:
     cache_dtype: str = field(default="bf16", metadata={"help": "Storage dtype of cached features: bf16, fp16 or fp8."})
     cache_batch_size: int = field(default=8, metadata={"help": "Rows per target forward while building the cache."})
     eval_rows: int = field(default=0, metadata={"help": "Conversations held out for evaluation (tau estimates)."})
+    eval_file: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluate on these conversations (files or quoted globs, like --train_file) instead of rows held out "
+            "of the training data: the same held-out rows for runs on different data, or the target's own answers "
+            "at the temperature you decode with. --eval_rows caps how many (0: all)."
+        },
+    )
     target_dtype: str | None = field(
         default=None, metadata={"help": "Target weights: float32, bfloat16 or float16 (default: bfloat16 with --bf16)."}
     )
@@ -46,6 +54,8 @@ class DraftScriptArguments:
     def __post_init__(self):
         if isinstance(self.train_file, (str, Path)):  # one source given from Python
             self.train_file = [str(self.train_file)]
+        if isinstance(self.eval_file, (str, Path)):
+            self.eval_file = [str(self.eval_file)]
 
 
 def load_target(script_args: DraftScriptArguments, training_args: DraftTrainingArguments):
@@ -70,16 +80,23 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     # As transformers' example scripts do: seed before anything random (the draft's initialization below).
     seed_run(training_args)
     target, tokenizer = load_target(script_args, training_args)
-    with training_args.main_process_first(desc="tokenizing conversations"):
-        dataset = tokenize_conversations(
-            load_conversations(script_args.train_file),
+
+    def tokenized(files):
+        return tokenize_conversations(
+            load_conversations(files),
             tokenizer,
             max_length=training_args.max_length,
             min_loss_tokens=training_args.min_loss_tokens,
             max_loop_repeats=training_args.max_loop_repeats,
         )
-    eval_dataset = None
-    if script_args.eval_rows:
+
+    with training_args.main_process_first(desc="tokenizing conversations"):
+        dataset = tokenized(script_args.train_file)
+        eval_dataset = tokenized(script_args.eval_file) if script_args.eval_file else None
+    if eval_dataset is not None:
+        if script_args.eval_rows and script_args.eval_rows < len(eval_dataset):  # the first rows: fixed across runs
+            eval_dataset = eval_dataset.select(range(script_args.eval_rows))
+    elif script_args.eval_rows:
         if script_args.eval_rows >= len(dataset):
             raise ValueError(f"eval_rows={script_args.eval_rows} leaves no training rows (the data has {len(dataset)})")
         split = dataset.train_test_split(test_size=script_args.eval_rows, seed=data_seed(training_args))
