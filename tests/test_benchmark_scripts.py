@@ -83,3 +83,21 @@ def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
     report = module.main(["--device", "cpu", "--smoke", "--trace_steps", "0", "--output", str(out), *extra])
     assert set(report["phase_ms"]) == set(module.PHASES) and all(v > 0 for v in report["phase_ms"].values())
     assert report["trainer_step_ms"] > 0 and json.loads(out.read_text())["hardware"]["torch"]
+
+
+def test_regenerate_speed_smoke_times_both_attentions(tmp_path):
+    """benchmarks/regenerate_speed.py --smoke: both attention settings answer every prompt, and with the same
+    greedy settings (float32) they write the same answers, so the timing compares like with like."""
+    from conftest import require_default_target
+
+    require_default_target()  # the smoke run borrows the default target's tokenizer (chat template)
+    spec = importlib.util.spec_from_file_location("regenerate_speed", SCRIPT.parent / "regenerate_speed.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "regen.json"
+    report = module.main(["--smoke", "--temperature", "0", "--json", str(out)])
+    assert json.loads(out.read_text())["results"].keys() == {"grouped", "plain"}
+    for result in report["results"].values():
+        assert result["prompts"] == 6 and result["decoding_steps"] > 0 and result["ms_per_step"] > 0
+    grouped, plain = report["results"]["grouped"], report["results"]["plain"]
+    assert (grouped["decoding_steps"], grouped["cut_at_limit"]) == (plain["decoding_steps"], plain["cut_at_limit"])
