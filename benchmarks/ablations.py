@@ -13,8 +13,8 @@ Every variant is the default recipe (`examples/train_dspark.py` with no flags) p
 so one flag changes at a time. `--data_variant NAME=FILES` adds a variant that changes the data instead: the default
 recipe trained on FILES (comma-separated files or quoted globs) in place of `--data`, e.g. answers sampled at
 another temperature. Held-out rows come from each run's own data unless `--eval_file` gives every run the same
-ones (e.g. the target's greedy answers to prompts like the evaluation's): without it, compare data variants by
-decoding τ (`--eval_data`), not held-out τ. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
+ones (e.g. the target's greedy answers to prompts like the evaluation's; `NAME=FILE` entries give several sets,
+reported side by side): without it, compare data variants by decoding τ (`--eval_data`), not held-out τ. Writes OUTPUT_DIR/ablations.json (command, hardware, per variant: flags, steps
 reached, the held-out τ curve by step and training time) and ablations.png (held-out τ_prob against training time),
 and prints a table of the last held-out τ_prob and τ_greedy. With `--eval_data`, every variant's draft is then
 decoded on those prompt files by `hf-dspark eval` (T 0 and 1; the three drafters: `--variants baseline dflash
@@ -132,10 +132,23 @@ def log_history(folder: Path) -> list[dict]:
 
 
 def curve(folder: Path) -> list[dict]:
-    """Held-out τ by step from the run's log."""
-    history = log_history(folder)
-    keys = ("eval_tau_prob", "eval_tau_greedy", "eval_loss", "elapsed_s")
-    return [{"step": h["step"], **{k: h[k] for k in keys if k in h}} for h in history if "eval_tau_prob" in h]
+    """Held-out τ by step from the run's log: eval_tau_prob / eval_tau_greedy / eval_loss, or eval_NAME_* for each
+    named held-out set (--eval_file NAME=FILE; transformers logs each set apart), merged per step."""
+    points: dict[int, dict] = {}
+    for h in log_history(folder):
+        found = {k: v for k, v in h.items()
+                 if k.startswith("eval_") and k.endswith(("tau_prob", "tau_greedy", "_loss"))}  # fmt: skip
+        if any(k.endswith("tau_prob") for k in found):
+            point = points.setdefault(h["step"], {"step": h["step"]})
+            point.update(found)
+            if "elapsed_s" in h:
+                point.setdefault("elapsed_s", h["elapsed_s"])  # the first set's: its evaluation began then
+    return list(points.values())
+
+
+def held_out_sets(point: dict) -> list[str]:
+    """Metric prefixes of a curve point's held-out sets: ["eval_"], or ["eval_NAME_", ...]."""
+    return sorted(k[: -len("tau_prob")] for k in point if k.endswith("tau_prob"))
 
 
 def step_rate(folder: Path) -> dict:
@@ -208,12 +221,13 @@ def main(argv=None) -> dict:
         report["decoding_eval"] = decoding_eval(args, root, results)
     (root / "ablations.json").write_text(json.dumps(report, indent=2))
     plot_curves(results, root / "ablations.png")
-    print("| variant | flags | last step | s/step | held-out τ_prob | held-out τ_greedy |\n|---|---|---|---|---|---|")
+    print("| variant | flags | last step | s/step | held-out τ_prob / τ_greedy |\n|---|---|---|---|---|")
     for name, r in results.items():
         last = r["held_out"][-1] if r["held_out"] else {}
         rate = f"{r['seconds_per_step']:.3f}" if r.get("seconds_per_step") else "-"
-        print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | {rate} | "
-              f"{last.get('eval_tau_prob', float('nan')):.3f} | {last.get('eval_tau_greedy', float('nan')):.3f} |")
+        tau = "; ".join(f"{p[5:-1] + ': ' if p != 'eval_' else ''}{last[p + 'tau_prob']:.3f} / "
+                        f"{last.get(p + 'tau_greedy', float('nan')):.3f}" for p in held_out_sets(last)) or "-"  # fmt: skip
+        print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | {rate} | {tau} |")
     return report
 
 
@@ -252,8 +266,10 @@ def plot_curves(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in results.items():
         points = [p for p in r["held_out"] if "elapsed_s" in p]
-        if points:
-            ax.plot([p["elapsed_s"] for p in points], [p["eval_tau_prob"] for p in points], marker="o", label=name)
+        for style, prefix in zip(("-", "--", ":", "-."), held_out_sets(points[-1]) if points else []):
+            label = name if prefix == "eval_" else f"{name} ({prefix[5:-1]})"
+            ax.plot([p["elapsed_s"] for p in points], [p.get(prefix + "tau_prob") for p in points], style, marker="o",
+                    label=label)  # fmt: skip
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("held-out τ_prob")
     ax.grid(alpha=0.3)

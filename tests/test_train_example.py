@@ -137,6 +137,31 @@ def test_eval_file_replaces_the_held_out_split(tiny_setup, tmp_path, monkeypatch
     assert any("eval_tau_prob" in h for h in state["log_history"])
 
 
+def test_named_eval_files_are_separate_sets_with_their_own_metrics(tiny_setup, tmp_path, monkeypatch):
+    """--eval_file NAME=FILE ...: one held-out set per name (e.g. the target's greedy and T = 1 answers), each
+    evaluated and logged as eval_NAME_*; a mix of named and plain entries is refused."""
+    from hf_dspark.cli import main
+    from hf_dspark.training.script import eval_file_sets
+
+    assert eval_file_sets(["a.jsonl", "b/*.jsonl"]) == {"": ["a.jsonl", "b/*.jsonl"]}
+    assert eval_file_sets(["greedy=a.jsonl", "t1=b.jsonl", "t1=c.jsonl"]) == {"greedy": ["a.jsonl"],
+                                                                              "t1": ["b.jsonl", "c.jsonl"]}
+    assert eval_file_sets(["runs/x=1/a.jsonl"]) == {"": ["runs/x=1/a.jsonl"]}  # a path, not a name
+    with pytest.raises(ValueError, match="name every set"):
+        eval_file_sets(["greedy=a.jsonl", "b.jsonl"])
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tiny_setup / "hf_datasets"))
+    greedy = write_chats(tmp_path / "greedy.jsonl", 3, start=100)
+    sampled = write_chats(tmp_path / "sampled.jsonl", 2, start=200)
+    flags = common_flags(tiny_setup, "named_eval", "dspark") + [
+        "--eval_file", f"greedy={greedy}", f"t1={sampled}", "--eval_strategy", "steps", "--eval_steps", "1"]  # fmt: skip
+    assert main(["train", *flags]) == 0
+    logs = json.loads((tiny_setup / "named_eval" / "trainer_state.json").read_text())["log_history"]
+    for name in ("greedy", "t1"):
+        points = [h for h in logs if f"eval_{name}_tau_prob" in h]
+        assert points and all(h[f"eval_{name}_tau_greedy"] >= 1.0 and f"eval_{name}_loss" in h for h in points)
+    assert not any("eval_tau_prob" in h for h in logs)  # no unnamed metrics mixed in
+
+
 def test_cli_train_help_lists_the_draft_and_data_flags(capsys):
     from hf_dspark.cli import main
 
@@ -205,6 +230,25 @@ def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
     assert rate["seconds_per_step"] == pytest.approx(0.11)  # median of 0.10 and 0.12; evaluations left out
     assert rate["compile_s"] is None  # logs from before compile_s was logged
     assert ablations.step_rate(tmp_path / "missing") == {"first_log": None, "seconds_per_step": None, "compile_s": None}
+
+
+def test_ablations_curve_merges_the_named_held_out_sets_of_a_step(tmp_path):
+    """--eval_file NAME=FILE: transformers logs each held-out set apart at the same step; a curve point holds all."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
+    ablations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablations)
+    history = [{"loss": 3.0, "step": 100, "elapsed_s": 60.0},
+               {"eval_greedy_loss": 2.0, "eval_greedy_tau_prob": 1.5, "eval_greedy_tau_greedy": 1.7,
+                "eval_greedy_loss_ce": 2.5, "step": 100, "elapsed_s": 61.0},
+               {"eval_t1_loss": 2.2, "eval_t1_tau_prob": 1.3, "eval_t1_tau_greedy": 1.4, "step": 100, "elapsed_s": 62.0}]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))  # fmt: skip
+    points = ablations.curve(tmp_path)
+    assert points == [{"step": 100, "elapsed_s": 61.0, "eval_greedy_loss": 2.0, "eval_greedy_tau_prob": 1.5,
+                       "eval_greedy_tau_greedy": 1.7, "eval_t1_loss": 2.2, "eval_t1_tau_prob": 1.3,
+                       "eval_t1_tau_greedy": 1.4}]  # fmt: skip
+    assert ablations.held_out_sets(points[0]) == ["eval_greedy_", "eval_t1_"]
 
 
 def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_path):

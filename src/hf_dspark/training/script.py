@@ -44,7 +44,8 @@ class DraftScriptArguments:
         metadata={
             "help": "Evaluate on these conversations (files or quoted globs, like --train_file) instead of rows held out "
             "of the training data: the same held-out rows for runs on different data, or the target's own answers "
-            "at the temperature you decode with. --eval_rows caps how many (0: all)."
+            "at the temperature you decode with. NAME=FILE entries make separate sets, logged as eval_NAME_*. "
+            "--eval_rows caps the rows of each set (0: all)."
         },
     )
     target_dtype: str | None = field(
@@ -56,6 +57,20 @@ class DraftScriptArguments:
             self.train_file = [str(self.train_file)]
         if isinstance(self.eval_file, (str, Path)):
             self.eval_file = [str(self.eval_file)]
+
+
+def eval_file_sets(entries: list[str]) -> dict[str, list[str]]:
+    """`--eval_file` entries -> {set name: files}. Plain entries form one unnamed set (""); NAME=FILE entries
+    name theirs (repeat a NAME for several files). Mixing the two is refused: which set would plain files join?"""
+    sets: dict[str, list[str]] = {}
+    for entry in entries:
+        name, sep, files = entry.partition("=")
+        if not sep or "/" in name or not name.isidentifier():
+            name, files = "", entry  # a path (which may itself contain "=")
+        sets.setdefault(name, []).append(files)
+    if "" in sets and len(sets) > 1:
+        raise ValueError(f"--eval_file mixes named (NAME=FILE) and unnamed entries: {entries}; name every set")
+    return sets
 
 
 def load_target(script_args: DraftScriptArguments, training_args: DraftTrainingArguments):
@@ -90,12 +105,16 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
             max_loop_repeats=training_args.max_loop_repeats,
         )
 
+    eval_sets = eval_file_sets(script_args.eval_file) if script_args.eval_file else None
     with training_args.main_process_first(desc="tokenizing conversations"):
         dataset = tokenized(script_args.train_file)
-        eval_dataset = tokenized(script_args.eval_file) if script_args.eval_file else None
+        eval_dataset = {name: tokenized(files) for name, files in eval_sets.items()} if eval_sets else None
     if eval_dataset is not None:
-        if script_args.eval_rows and script_args.eval_rows < len(eval_dataset):  # the first rows: fixed across runs
-            eval_dataset = eval_dataset.select(range(script_args.eval_rows))
+        if script_args.eval_rows:  # the first rows of each set: the same rows in every run
+            eval_dataset = {name: rows.select(range(min(script_args.eval_rows, len(rows))))
+                            for name, rows in eval_dataset.items()}  # fmt: skip
+        if list(eval_dataset) == [""]:  # one unnamed set: metrics named eval_* as for a held-out split
+            eval_dataset = eval_dataset[""]
     elif script_args.eval_rows:
         if script_args.eval_rows >= len(dataset):
             raise ValueError(f"eval_rows={script_args.eval_rows} leaves no training rows (the data has {len(dataset)})")
@@ -145,4 +164,4 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     return trainer
 
 
-__all__ = ["DraftScriptArguments", "train_draft", "load_target"]
+__all__ = ["DraftScriptArguments", "eval_file_sets", "train_draft", "load_target"]

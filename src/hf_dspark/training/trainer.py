@@ -386,7 +386,7 @@ class DraftTrainer(Trainer):
         mode = "train" if self.model.training else "eval"
         # Every process calls log() at the same points, so the all-reduce inside _summarize is collective.
         if self._metrics[mode].get("_batches", 0):
-            prefix = "eval_" if mode == "eval" else ""
+            prefix = _eval_prefix(logs) if mode == "eval" else ""
             # In place: evaluate() returns this very dict.
             logs.update({prefix + k: v for k, v in self._summarize(mode).items()})
         if mode == "train" and self.deadline is not None and self.deadline.planned_steps is not None:
@@ -401,6 +401,13 @@ class DraftTrainer(Trainer):
             logs["train_samples_per_second"] = round(steps * self.args.train_batch_size * self.args.gradient_accumulation_steps
                                                      * self.args.world_size / logs["train_runtime"], 3)
         super().log(logs, start_time)
+
+
+def _eval_prefix(logs: dict) -> str:
+    """The metric prefix of an evaluation's logs: "eval_", or "eval_NAME_" for the named sets of a dict
+    eval_dataset (transformers logs each as f"{metric_key_prefix}_loss")."""
+    named = [k[: -len("loss")] for k in logs if k.startswith("eval_") and k.endswith("_loss")]
+    return min(named, key=len) if named else "eval_"
 
 
 # torch.compile's own timers: each compilation of a frame (forward graphs) and each lazy backward compilation.
