@@ -339,9 +339,10 @@ class DraftTrainer(Trainer):
         compiled flex attention and the loss anew for each batch shape (about 5 s each on an H200, most of what
         the evaluations of a 12-minute run cost). Where those are compiled, the evaluation runs in the training
         step's grad mode and reuses its graphs; nothing is backpropagated and the graph is freed at once.
-        DeepSpeed keeps no_grad (its ZeRO-3 hooks expect a backward after a grad-mode forward)."""
+        DeepSpeed and FSDP keep no_grad (their sharding hooks expect a backward after a grad-mode forward)."""
         compiled = getattr(self.args, "compile_loss", False) or self.args.device.type == "cuda"
-        if compiled and not getattr(self, "is_deepspeed_enabled", False):
+        sharded = getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
+        if compiled and not sharded:
             return torch.enable_grad()
         return torch.no_grad()
 
