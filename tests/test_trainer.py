@@ -176,6 +176,16 @@ def test_training_batches_are_whole_and_evaluation_sees_every_row(tmp_path, monk
     assert trainer.args.dataloader_drop_last  # restored after building the evaluation loader
 
 
+def test_fewer_rows_than_a_batch_still_train(tmp_path, caplog):
+    """drop_last would skip the only (partial) batch and train nothing, silently: the run keeps it and says so."""
+    trainer = DraftTrainer(args=make_args(tmp_path, max_steps=3, per_device_train_batch_size=4),
+                           train_dataset=tokenized_rows(3), target_model=make_tiny_target("llama"))  # fmt: skip
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert trainer.state.global_step == 3
+    assert "only 3 training rows, fewer than one batch of 4" in caplog.text
+
+
 def test_evaluation_in_grad_mode_gives_the_same_numbers_and_leaves_no_gradients(tmp_path, monkeypatch):
     """Where the loss or attention is compiled, evaluation runs in grad mode to reuse the training step's compiled
     graphs (`_evaluation_grad_mode`); the numbers must be the no_grad ones and no gradient may be left behind."""

@@ -319,6 +319,17 @@ class DraftTrainer(Trainer):
             params.append(draft.markov_head.markov_w2.weight)
         return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
+    def get_train_dataloader(self):
+        """With fewer rows than one batch, skipping the smaller last batch (`dataloader_drop_last`) would skip
+        every batch and train nothing: such a run keeps its one partial batch, with a warning."""
+        rows = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+        batch = self.args.train_batch_size * self.args.world_size
+        if self.args.dataloader_drop_last and rows is not None and rows < batch:
+            logger.warning("only %d training rows, fewer than one batch of %d: keeping the partial batch "
+                           "(dataloader_drop_last=False)", rows, batch)  # fmt: skip
+            self.args.dataloader_drop_last = False
+        return super().get_train_dataloader()
+
     def get_eval_dataloader(self, eval_dataset=None):
         """Every held-out row is evaluated: `dataloader_drop_last` (on by default) is for training batches only."""
         drop_last = self.args.dataloader_drop_last
