@@ -1,13 +1,15 @@
-"""Speed of `hf-dspark regenerate` (answering prompts with the target), with and without grouped attention.
+"""Speed of `hf-dspark regenerate`: grouped attention, plain sdpa and continuous batching on the same prompts.
 
     python benchmarks/regenerate_speed.py --target TARGET --prompts prompts.jsonl --num-prompts 1024 \\
         --batch-size 512 --max-new-tokens 256 --json regenerate_speed.json
 
-Runs `regenerate_responses` on the same prompts once per attention setting (`--attention grouped plain`: hf_dspark's
-grouped-query SDPA, transformers' "sdpa" with its repeated keys/values), each after an untimed warm-up batch that
-compiles the decoding step, and prints prompts/s, answer tokens/s and milliseconds per decoding step (a batch runs
-until its longest answer ends, so steps = the longest answer of each batch). Writes JSON with the command and
-hardware. `--smoke` runs a tiny random target on CPU (checks the script, not the speed).
+Runs `regenerate_responses` on the same prompts once per mode (`--modes grouped plain continuous`: fixed batches
+through generate() with hf_dspark's grouped-query SDPA, the same with transformers' "sdpa" and its repeated
+keys/values, and transformers' continuous batching with `--batch-size` prompts submitted at a time), each after an
+untimed warm-up batch that compiles what it needs, and prints prompts/s, answer tokens/s and, for fixed batches,
+milliseconds per decoding step (a batch runs until its longest answer ends, so steps = the longest answer of each
+batch). Writes JSON with the command and hardware. `--smoke` runs a tiny random target on CPU (checks the script,
+not the speed).
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _bench_common import hardware  # noqa: E402
 
-ATTENTION = {"grouped": True, "plain": False}
+# mode -> regenerate_responses options
+MODES = {
+    "grouped": {"grouped_attention": True},
+    "plain": {"grouped_attention": False},
+    "continuous": {"engine": "continuous"},
+}
 
 
 def parse_args(argv=None):
@@ -36,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.7, help="0: greedy (top-p 0.8 / top-k 20 when sampling)")
-    p.add_argument("--attention", nargs="+", default=list(ATTENTION), choices=list(ATTENTION))
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="tiny random target on CPU")
@@ -69,11 +76,11 @@ def prompts_of(args) -> list[dict]:
     return [{"id": p.id, "turns": p.turns[:1]} for p in rows]
 
 
-def timed_run(target, tokenizer, prompts, args, grouped: bool, folder: Path) -> dict:
+def timed_run(target, tokenizer, prompts, args, mode: str, folder: Path) -> dict:
     from hf_dspark.data import regenerate_responses
 
     settings = dict(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    progress=False, grouped_attention=grouped)  # fmt: skip
+                    progress=False, **MODES[mode])  # fmt: skip
     warm = [dict(p, id=f"warm-{p['id']}") for p in prompts[: args.batch_size]]  # compiles this batch shape
     regenerate_responses(target, tokenizer, warm, folder / "warm.jsonl", **settings)
     if torch.cuda.is_available():
@@ -86,13 +93,15 @@ def timed_run(target, tokenizer, prompts, args, grouped: bool, folder: Path) -> 
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     lengths = [r["completion_tokens"] for r in rows]
     steps = sum(max(lengths[i : i + args.batch_size]) for i in range(0, len(lengths), args.batch_size))
+    if mode == "continuous":
+        steps = None  # no fixed batches: the engine refills finished rows
     return {
         "prompts": len(rows),
         "seconds": seconds,
         "prompts_per_s": len(rows) / seconds,
         "answer_tokens_per_s": sum(lengths) / seconds,
         "decoding_steps": steps,
-        "ms_per_step": 1000 * seconds / steps,
+        "ms_per_step": 1000 * seconds / steps if steps else None,
         "cut_at_limit": sum(r["finish"] == "length" for r in rows),
     }
 
@@ -106,9 +115,9 @@ def main(argv=None) -> dict:
     target, tokenizer = load(args)
     prompts = prompts_of(args)
     results = {}
-    for name in args.attention:
+    for name in args.modes:
         with tempfile.TemporaryDirectory() as folder:
-            results[name] = timed_run(target, tokenizer, prompts, args, ATTENTION[name], Path(folder))
+            results[name] = timed_run(target, tokenizer, prompts, args, name, Path(folder))
         print(f"{name}: {results[name]}", flush=True)
     device = next(target.parameters()).device
     report = {
@@ -118,10 +127,11 @@ def main(argv=None) -> dict:
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "results": results,
     }
-    print("| attention | prompts/s | answer tokens/s | ms a step | steps |\n|---|---|---|---|---|")
+    print("| mode | prompts/s | answer tokens/s | ms a step | steps |\n|---|---|---|---|---|")
     for name, r in results.items():
-        print(f"| {name} | {r['prompts_per_s']:.1f} | {r['answer_tokens_per_s']:.0f} | {r['ms_per_step']:.2f} | "
-              f"{r['decoding_steps']} |")
+        step = f"{r['ms_per_step']:.2f}" if r["ms_per_step"] else "-"
+        print(f"| {name} | {r['prompts_per_s']:.1f} | {r['answer_tokens_per_s']:.0f} | {step} | "
+              f"{r['decoding_steps'] or '-'} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return report

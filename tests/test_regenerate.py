@@ -245,3 +245,31 @@ def test_grouped_attention_writes_what_sdpa_writes(tmp_path, tokenizer):
                                  **settings)  # fmt: skip
     assert set(used) == {"sdpa"}
     assert read_rows(grouped) == read_rows(plain)
+
+
+def test_continuous_batching_writes_what_generate_writes(tmp_path, target, tokenizer):
+    """engine="continuous" (transformers' generate_batch): greedy, the same answers, finish reasons and token
+    counts as fixed batches through generate(); an end-of-turn answer stops with finish "stop"; first turns only."""
+    first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
+    settings = dict(batch_size=2, max_new_tokens=9, temperature=0, progress=False)
+    continuous = regenerate_responses(target, tokenizer, first_turns, tmp_path / "cb.jsonl", engine="continuous",
+                                      **settings)  # fmt: skip
+    fixed = regenerate_responses(target, tokenizer, first_turns, tmp_path / "fixed.jsonl", **settings)
+    assert read_rows(continuous) == read_rows(fixed)
+    with pytest.raises(ValueError, match="first turns on its own paged cache"):
+        regenerate_responses(target, tokenizer, PROMPTS, tmp_path / "x.jsonl", all_turns=True, engine="continuous",
+                             **settings)  # fmt: skip
+    with pytest.raises(ValueError, match="engine must be one of generate, continuous"):
+        regenerate_responses(target, tokenizer, PROMPTS, tmp_path / "x.jsonl", engine="vllm", **settings)
+    # A head that always prefers <|im_end|>: empty answers that stop at once.
+    head = nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
+    nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 10.0
+    target.config.tie_word_embeddings = False
+    target.lm_head = head
+    out = regenerate_responses(target, tokenizer, first_turns[:2], tmp_path / "eos.jsonl", engine="continuous",
+                               **settings)  # fmt: skip
+    assert [(r["finish"], r["completion_tokens"], r["messages"][1]["content"]) for r in read_rows(out)] == [
+        ("stop", 1, "")] * 2

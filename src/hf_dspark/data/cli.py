@@ -28,6 +28,9 @@ class RegenerateArguments:
                               "CUDA for first turns)", choices=("auto", "true", "false"))  # fmt: skip
     grouped_attention: bool = field(True, help="attend without copying keys/values per query head (sdpa targets "
                                     "with grouped KV heads; same results)")  # fmt: skip
+    engine: str = field("generate", help="generate: fixed batches through generate(); continuous: transformers' "
+                        "continuous batching (finished rows refilled at once; first turns)",
+                        choices=("generate", "continuous"))  # fmt: skip
 
 
 @dataclass
@@ -104,6 +107,7 @@ def run_regenerate(args) -> int:
         all_turns=args.all_turns,
         static_cache={"auto": None, "true": True, "false": False}[args.static_cache],
         grouped_attention=args.grouped_attention,
+        engine=args.engine,
     )
     print(f"conversations written to {out}")
     return 0
