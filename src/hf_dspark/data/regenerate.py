@@ -228,9 +228,11 @@ def _answer_continuous(target, tokenizer, batch: list[Prompt], gen_config, eos_i
         inputs=ids, generation_config=gen_config, progress_bar=False, warmup=not cpu,
         continuous_batching_config=_cpu_cache_config(ids, gen_config.max_new_tokens) if cpu else None,
     )  # fmt: skip
-    # Request ids are "req_<position in inputs>" for a fresh manager (transformers 5.x).
+    # Request ids are "req_<position in inputs>" for a fresh manager (transformers 5.x); each output's prompt is
+    # checked against its input, so a change of that naming fails loudly instead of mixing answers up.
     outputs = [results.get(f"req_{i}") for i in range(len(batch))]
-    failed = [p.id for p, o in zip(batch, outputs) if o is None or getattr(o, "error", None)]
+    failed = [p.id for p, o, x in zip(batch, outputs, ids)
+              if o is None or getattr(o, "error", None) or list(o.prompt_ids) != list(x)]  # fmt: skip
     if failed:
         raise RuntimeError(f"continuous batching returned no answer for {len(failed)} prompt(s) ({failed[:3]}...); "
                            "rerun to resume, or use engine='generate' (--engine generate)")  # fmt: skip
