@@ -160,6 +160,14 @@ def test_named_eval_files_are_separate_sets_with_their_own_metrics(tiny_setup, t
         points = [h for h in logs if f"eval_{name}_tau_prob" in h]
         assert points and all(h[f"eval_{name}_tau_greedy"] >= 1.0 and f"eval_{name}_loss" in h for h in points)
     assert not any("eval_tau_prob" in h for h in logs)  # no unnamed metrics mixed in
+    # From a target cache: each named set gets its own.
+    cached = common_flags(tiny_setup, "named_eval_cached", "dspark") + [
+        "--cache_dir", str(tmp_path / "cache"), "--eval_file", f"greedy={greedy}", f"t1={sampled}"]  # fmt: skip
+    cached[cached.index("--max_steps") + 1] = "1"
+    assert main(["train", *cached]) == 0
+    assert {p.name for p in (tmp_path / "cache").iterdir()} == {"train", "eval_greedy", "eval_t1"}
+    logs = json.loads((tiny_setup / "named_eval_cached" / "trainer_state.json").read_text())["log_history"]
+    assert any("eval_greedy_tau_prob" in h for h in logs) and any("eval_t1_tau_prob" in h for h in logs)
 
 
 def test_cli_train_help_lists_the_draft_and_data_flags(capsys):

@@ -141,7 +141,10 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
             return load_target_cache(path, draft_config=draft.config, target=target)
 
         dataset = cached(dataset, "train")
-        eval_dataset = cached(eval_dataset, "eval") if eval_dataset is not None else None
+        if isinstance(eval_dataset, dict):  # named held-out sets: one cache each
+            eval_dataset = {name: cached(rows, f"eval_{name}") for name, rows in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = cached(eval_dataset, "eval")
         online_target = None
         del target  # features come from the cache; free the target's memory before training
         if torch.cuda.is_available():
