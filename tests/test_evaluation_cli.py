@@ -130,6 +130,11 @@ def test_eval_end_to_end(workdir, capsys):
         assert (out / name).stat().st_size > 0
     markdown = (out / "results.md").read_text()
     assert "| dspark |" in markdown and "| eagle3 |" in markdown
+    # Each draft is also scored teacher-forced on the target-alone answers of the same prompts and temperature.
+    for (drafter, temp), row in rows.items():
+        forced = row["teacher_forced"]
+        assert forced["sequences"] <= 2 and 1.0 <= forced["tau_greedy"] <= row["block_size"] + 1, (drafter, temp)
+    assert "| dspark, teacher-forced on the target's answers |" in markdown
 
 
 def test_eval_static_baseline(workdir, capsys):
@@ -138,11 +143,12 @@ def test_eval_static_baseline(workdir, capsys):
     code = main([
         "eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dspark"), "--data",
         str(workdir / "prompts.jsonl"), "--num_prompts", "2", "--max_new_tokens", "6", "--output_dir", str(out),
-        "--no_progress", "--no_plots", "--static_baseline",
+        "--no_progress", "--no_plots", "--static_baseline", "--no_teacher_forced",
     ])
     assert code == 0
     data = json.loads((out / "results.json").read_text())
     assert "--static_baseline true" in data["command"] and data["settings"]["static_baseline"] is True
+    assert "--no_teacher_forced" in data["command"] and "teacher_forced" not in data["results"][0]
     (baseline,) = data["baselines"]
     static = baseline["static_cache"]
     assert static["new_tokens"] == baseline["new_tokens"]  # greedy: the same outputs, so the same lengths

@@ -51,6 +51,7 @@ class EvalArguments:
                                  nargs="?", const="true", choices=["auto", "true", "false"])  # fmt: skip
     no_warmup: bool = field(False, help="skip the untimed warm-up generate() calls")
     no_plots: bool = field(False, help="write JSON and markdown only")
+    no_teacher_forced: bool = field(False, help="skip each draft's teacher-forced τ on the target's own answers")
     no_progress: bool = field(False, help="no progress bars")
 
     def __post_init__(self):
@@ -101,7 +102,8 @@ def _command_line(args: EvalArguments) -> str:
         parts += ["--generate_kwargs", json.dumps(args.generate_kwargs)]
     if args.static_baseline != "auto":
         parts += ["--static_baseline", args.static_baseline]
-    flags = (("--no_warmup", args.no_warmup), ("--no_plots", args.no_plots))
+    flags = (("--no_warmup", args.no_warmup), ("--no_plots", args.no_plots),
+             ("--no_teacher_forced", args.no_teacher_forced))  # fmt: skip
     parts += [flag for flag, on in flags if on]
     return shlex.join(parts)
 
@@ -159,6 +161,7 @@ def run_eval(args: EvalArguments) -> int:
         target_name=target_name,
         # The honest baseline by default where it exists: transformers compiles static-cache decoding on CUDA only.
         static_baseline={"true": True, "false": False}.get(args.static_baseline, device.startswith("cuda")),
+        teacher_forced=not args.no_teacher_forced,
     )
     from .report import results_markdown
 

@@ -72,6 +72,12 @@ def results_markdown(results) -> str:
         "- tau = committed tokens per verification round (accepted + 1 bonus); speedup = wall-clock tokens/s with "
         "the draft / tokens/s of the target alone on the same prompts and settings",
     ]
+    if any(r.get("teacher_forced") for r in rows):
+        out.append(
+            "- teacher-forced rows: tau as training estimates it (tau_greedy at T = 0, tau_prob otherwise) on the "
+            "target-alone answers to the same prompts; close to the decoded tau, the decoding path delivers what "
+            "the draft predicts"
+        )
     if any(r.get("target_graphs") for r in rows):
         compared = (
             "the rows 'vs static target' compare with the target's own compiled static-cache decoding"
@@ -126,6 +132,16 @@ def results_markdown(results) -> str:
                     [f"{drafter} vs static target"]
                     + ["" for _ in datasets]
                     + [_fmt(c.get("speedup_vs_static_target")) + "x" if c else "–" for c in cells]
+                    + [""]
+                )
+        if any(c and c.get("teacher_forced") for d in drafters for c in [lookup.get((d, x, temp)) for x in datasets]):
+            for drafter in drafters:
+                cells = [lookup.get((drafter, d, temp)) for d in datasets]
+                key = "tau_greedy" if temp == 0 else "tau_prob"
+                table.append(
+                    [f"{drafter}, teacher-forced on the target's answers"]
+                    + [_fmt(c["teacher_forced"][key]) if c and c.get("teacher_forced") else "–" for c in cells]
+                    + ["" for _ in datasets]
                     + [""]
                 )
         out += _table(header, table)

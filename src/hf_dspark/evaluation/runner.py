@@ -32,6 +32,7 @@ from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad, new_token_lengths  # noqa: F401 (count_new_tokens: re-exported)
 from ..resources import load_target
 from .static_baseline import StaticTargetBaseline
+from .teacher_forced import teacher_forced_estimates
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,9 @@ class _CallResult:
     # lengths (greedy answers that stop early next to one caught in a loop) falls although each step costs the same.
     longest: int = 0
     rows: int = 0
+    # The target-alone calls keep their prompts and answers (end-of-turn included) for `teacher_forced_estimates`.
+    prompts: list[list[int]] = field(default_factory=list)
+    completions: list[list[int]] = field(default_factory=list)
 
 
 def _left_pad(batch: Sequence[Sequence[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -188,6 +192,11 @@ def _generate(target, inputs, generation_config, eos_ids, draft=None, generate_k
     result = _CallResult(
         int(lengths.sum()), seconds, longest=int(lengths.max()) if lengths.numel() else 0, rows=lengths.numel()
     )
+    if draft is None and static is None:
+        width = inputs["input_ids"].shape[1]
+        for ids, mask, out, n in zip(inputs["input_ids"], inputs["attention_mask"], sequences, lengths.tolist()):
+            result.prompts.append(ids[mask.bool()].tolist())
+            result.completions.append(out[width : width + n].tolist())
     if draft is not None:
         # Read before the next call: `draft.last_generation_stats` is replaced by every generate().
         result.stats = generation_stats(draft, output)
@@ -282,6 +291,7 @@ def evaluate_drafts(
     command: str | None = None,
     target_name: str | None = None,
     static_baseline: bool = False,
+    teacher_forced: bool = True,
 ) -> EvaluationResults:
     """Speculative decoding of each draft over each prompt file; acceptance, calibration and speed.
 
@@ -293,6 +303,9 @@ def evaluate_drafts(
     step on CUDA: the fastest target-alone baseline), with one cache length for every call of the run and each
     batch shape warmed up untimed (`static_baseline.StaticTargetBaseline`); rows then carry
     `speedup_vs_static_target`, the baselines `static_cache` (with `static_cache_len`).
+    teacher_forced: rows also carry `teacher_forced`, the draft's τ estimated as in training (teacher-forced
+    blocks) on the target-alone answers of the same prompts and temperature (`teacher_forced.py`): where it is
+    close to the decoding τ, the decoding path delivers what the model predicts.
     Returns `EvaluationResults`; with `output_dir`, also writes results.json, results.md and PNG plots there
     (JSON and markdown are rewritten after every row, so an interrupted run keeps its finished rows).
     """
@@ -400,8 +413,8 @@ def evaluate_drafts(
         for temp in temperatures:
             gen_config = _generation_config(target, temp, top_k, top_p, max_new_tokens, eos_ids, pad_id)
             for data_name, rendered in prompts.items():
-                calls = run("target", None, rendered, gen_config, f"target alone | {data_name} | T={temp:g}")
-                base = _speed(calls)
+                target_calls = run("target", None, rendered, gen_config, f"target alone | {data_name} | T={temp:g}")
+                base = _speed(target_calls)
                 baseline = {"dataset": data_name, "temperature": temp, "num_prompts": len(rendered), **base}
                 if static is not None:
                     desc = f"target alone, static cache | {data_name} | T={temp:g}"
@@ -411,6 +424,11 @@ def evaluate_drafts(
                 for draft_name, draft in drafts.items():
                     calls = run(draft_name, draft, rendered, gen_config, f"{draft_name} | {data_name} | T={temp:g}")
                     row, curves = _draft_row(draft_name, draft, data_name, temp, calls, base, len(rendered), n_bins)
+                    if teacher_forced:
+                        row["teacher_forced"] = teacher_forced_estimates(
+                            draft, target, [p for c in target_calls for p in c.prompts],
+                            [a for c in target_calls for a in c.completions], batch_size=batch_size, seed=seed,
+                        )  # fmt: skip
                     if static_baseline:
                         static_speed = baseline["static_cache"]["tokens_per_s"]
                         row["speedup_vs_static_target"] = row["tokens_per_s"] / static_speed if static_speed else float("nan")
