@@ -40,3 +40,17 @@ def test_estimates_are_deterministic_bounded_and_leave_the_draft_as_it_was(cls):
     assert not draft.training and "block_mask_kind" not in vars(draft)  # the dense-mask switch is undone
     # Answers too short for a block are left out; none left: no estimate.
     assert teacher_forced_estimates(draft, target, prompts, [c[:1] for c in completions]) == {}
+
+
+def test_a_failing_estimate_is_recorded_in_the_row_and_the_evaluation_goes_on(monkeypatch, caplog):
+    """The teacher-forced score is a diagnostic: if it fails, the row says why and the decoding rows survive."""
+    from hf_dspark.evaluation import runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no memory left")
+
+    monkeypatch.setattr(runner, "teacher_forced_estimates", broken)
+    call = runner._CallResult(new_tokens=3, seconds=1.0, prompts=[[5, 6]], completions=[[7, 8, 9]])
+    with caplog.at_level("WARNING"):
+        assert runner._teacher_forced(None, None, [call], 1, 0) == {"error": "RuntimeError: no memory left"}
+    assert "teacher-forced estimates failed" in caplog.text

@@ -140,7 +140,8 @@ def results_markdown(results) -> str:
                 key = "tau_greedy" if temp == 0 else "tau_prob"
                 table.append(
                     [f"{drafter}, teacher-forced on the target's answers"]
-                    + [_fmt(c["teacher_forced"][key]) if c and c.get("teacher_forced") else "–" for c in cells]
+                    + [_fmt(c["teacher_forced"][key]) if c and key in (c.get("teacher_forced") or {}) else "–"
+                       for c in cells]
                     + ["" for _ in datasets]
                     + [""]
                 )

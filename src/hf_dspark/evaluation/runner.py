@@ -425,10 +425,7 @@ def evaluate_drafts(
                     calls = run(draft_name, draft, rendered, gen_config, f"{draft_name} | {data_name} | T={temp:g}")
                     row, curves = _draft_row(draft_name, draft, data_name, temp, calls, base, len(rendered), n_bins)
                     if teacher_forced:
-                        row["teacher_forced"] = teacher_forced_estimates(
-                            draft, target, [p for c in target_calls for p in c.prompts],
-                            [a for c in target_calls for a in c.completions], batch_size=batch_size, seed=seed,
-                        )  # fmt: skip
+                        row["teacher_forced"] = _teacher_forced(draft, target, target_calls, batch_size, seed)
                     if static_baseline:
                         static_speed = baseline["static_cache"]["tokens_per_s"]
                         row["speedup_vs_static_target"] = row["tokens_per_s"] / static_speed if static_speed else float("nan")
@@ -442,6 +439,18 @@ def evaluate_drafts(
     if output_dir is not None:
         save_results(results, output_dir, plots=plots)
     return results
+
+
+def _teacher_forced(draft, target, target_calls: list[_CallResult], batch_size: int, seed: int) -> dict:
+    """`teacher_forced_estimates` on the target-alone answers; a diagnostic, so a failure is recorded in the row
+    (and logged) instead of ending the evaluation and losing the rows measured so far."""
+    prompts = [p for c in target_calls for p in c.prompts]
+    answers = [a for c in target_calls for a in c.completions]
+    try:
+        return teacher_forced_estimates(draft, target, prompts, answers, batch_size=batch_size, seed=seed)
+    except Exception as err:  # noqa: BLE001 - reported in the row
+        logger.warning("teacher-forced estimates failed (%s: %s)", type(err).__name__, err)
+        return {"error": f"{type(err).__name__}: {err}"}
 
 
 def _speed(calls: list[_CallResult]) -> dict:
