@@ -74,9 +74,9 @@ def results_markdown(results) -> str:
     ]
     if any(r.get("teacher_forced") for r in rows):
         out.append(
-            "- teacher-forced rows: tau as training estimates it (tau_greedy at T = 0, tau_prob otherwise) on the "
-            "target-alone answers to the same prompts; close to the decoded tau, the decoding path delivers what "
-            "the draft predicts"
+            "- teacher-forced rows: tau as training estimates it on the target-alone answers to the same prompts "
+            "(tau_greedy at T = 0; otherwise tau_prob, which assumes sampling at T = 1 without top-k/top-p); close "
+            "to the decoded tau, the decoding path delivers what the draft predicts"
         )
     if any(r.get("target_graphs") for r in rows):
         compared = (
