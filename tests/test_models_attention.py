@@ -239,6 +239,31 @@ def test_anchor_block_tiles_match_create_block_mask(context, num_blocks, block_s
     assert built.q_num_blocks is not None  # the backward's transposed map is there too
 
 
+def test_flex_block_mask_falls_back_to_create_block_mask_on_an_older_api(monkeypatch, caplog):
+    """A torch whose BlockMask.from_kv_blocks takes other arguments: the mask comes from create_block_mask, the
+    same tiles, with a warning (training goes on, only slower to compile)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from hf_dspark.models.anchors import flex_block_mask
+
+    anchors = torch.tensor([[3, 11, 20, 33], [0, 8, 9, 30]])
+    expected = flex_block_mask(anchors, 40, BLOCK).to_dense()
+
+    original, calls = BlockMask.from_kv_blocks, []
+
+    def old_api(*args, **kwargs):  # refuses flex_block_mask's call; create_block_mask's own call goes through
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise TypeError("from_kv_blocks() got an unexpected keyword argument 'seq_lengths'")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(BlockMask, "from_kv_blocks", old_api)
+    monkeypatch.setattr("torch.compile", lambda fn, **kw: fn)  # the fallback's tile map, without compiling it on CPU
+    with caplog.at_level("WARNING"):
+        mask = flex_block_mask(anchors, 40, BLOCK)
+    assert len(calls) == 2 and torch.equal(mask.to_dense(), expected) and "using create_block_mask" in caplog.text
+
+
 def test_flex_attention_reads_no_memory_past_the_keys():
     """The compiled CPU flex kernel over-reads a partial last key tile on some ISAs (AVX2): with NaN stored right
     after the keys, the last batch row turned NaN. The mask pads keys to whole tiles; NaN beyond must not leak."""

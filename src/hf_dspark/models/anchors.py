@@ -7,12 +7,16 @@ a slot sees context positions strictly before its anchor and every slot of its o
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 try:
     from torch.nn.attention.flex_attention import BlockMask
 except ImportError:  # pragma: no cover
     BlockMask = None
+
+logger = logging.getLogger(__name__)
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -101,10 +105,17 @@ def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size
         return (in_ctx & sees_ctx) | (~in_ctx & same_block)
 
     partial, full = anchor_block_tiles(q_anchor, context_len, block_size, kv_len)
-    return BlockMask.from_kv_blocks(
-        *_ordered_tiles(partial), *_ordered_tiles(full), BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod,
-        seq_lengths=(q_len, kv_len),
-    )  # fmt: skip
+    try:
+        return BlockMask.from_kv_blocks(
+            *_ordered_tiles(partial), *_ordered_tiles(full), BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod,
+            seq_lengths=(q_len, kv_len),
+        )  # fmt: skip
+    except TypeError as err:  # a torch whose from_kv_blocks takes other arguments: the compiled derivation
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        logger.warning("BlockMask.from_kv_blocks failed (%s); using create_block_mask", err)
+        device = anchor_positions.device
+        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, _compile=True)
 
 
 def anchor_block_tiles(
