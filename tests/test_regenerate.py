@@ -273,3 +273,31 @@ def test_continuous_batching_writes_what_generate_writes(tmp_path, target, token
                                **settings)  # fmt: skip
     assert [(r["finish"], r["completion_tokens"], r["messages"][1]["content"]) for r in read_rows(out)] == [
         ("stop", 1, "")] * 2
+
+
+def test_a_failing_grouped_attention_falls_back_to_the_models_own(tmp_path, tokenizer, monkeypatch, caplog):
+    """If grouped attention fails on some machine, the batch is answered again with the model's own attention (and
+    so is the rest), with a warning: a data run is not lost to an optimization."""
+    import hf_dspark.grouped_sdpa as grouped
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(tiny_target_config("llama", vocab_size=len(tokenizer)),
+                                              attn_implementation="sdpa").eval()  # fmt: skip
+    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
+    settings = dict(batch_size=2, max_new_tokens=6, temperature=0, progress=False, static_cache=True)
+    plain = regenerate_responses(target, tokenizer, first_turns, tmp_path / "plain.jsonl", grouped_attention=False,
+                                 **settings)  # fmt: skip
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel not supported")
+
+    monkeypatch.setattr(grouped, "grouped_sdpa_attention", broken)  # what register() installs
+    with caplog.at_level("WARNING"):
+        out = regenerate_responses(target, tokenizer, first_turns, tmp_path / "fallback.jsonl", **settings)
+    assert read_rows(out) == read_rows(plain)
+    assert "grouped attention failed (RuntimeError: kernel not supported)" in caplog.text
+    assert target.config._attn_implementation == "sdpa"
+    monkeypatch.undo()
+    grouped.register()  # the working function back in transformers' (process-wide) attention registry

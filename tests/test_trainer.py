@@ -204,6 +204,24 @@ def test_evaluation_in_grad_mode_gives_the_same_numbers_and_leaves_no_gradients(
     for key in ("eval_loss", "eval_tau_prob", "eval_tau_greedy", "eval_loss_l1"):
         assert in_grad_mode[key] == pytest.approx(plain[key], rel=1e-6), key
     assert all(p.grad is None for p in trainer.model.parameters())
+    # A grad-mode evaluation that fails (e.g. out of memory) is redone under no_grad, and later ones start there.
+    compute_loss, failures = trainer.compute_loss, []
+
+    def fails_with_grad(model, inputs, *args, **kwargs):
+        if torch.is_grad_enabled():
+            failures.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    from hf_dspark.training import losses
+
+    monkeypatch.undo()  # the real _evaluation_grad_mode, told that something is compiled (the loss stays eager)
+    trainer.args.compile_loss = True
+    monkeypatch.setattr(losses, "_get_chunk_math", lambda compile: losses._chunk_math)
+    monkeypatch.setattr(trainer, "compute_loss", fails_with_grad)
+    recovered = trainer.evaluate()
+    assert recovered["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6) and failures == [1]
+    assert isinstance(trainer._evaluation_grad_mode(), torch.no_grad)
 
 
 def learnable_rows(n: int = 8) -> datasets.Dataset:

@@ -162,18 +162,32 @@ def regenerate_responses(
         tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
     bar = tqdm(total=len(all_prompts), initial=len(all_prompts) - len(todo), unit="prompt", disable=not progress,
                desc="Regenerating answers")
+    attention = contextlib.ExitStack()
     # (continuous batching attends through its own paged implementation)
-    attention = grouped_sdpa(target) if grouped_attention and engine == "generate" else contextlib.nullcontext()
+    grouped = grouped_attention and engine == "generate" and attention.enter_context(grouped_sdpa(target))
+
+    def answer(batch: list[Prompt]) -> list[dict]:
+        # Seeded by the batch's first prompt, so a resumed run samples like an uninterrupted one would.
+        torch.manual_seed(seed + order[batch[0].id])
+        if engine == "continuous":
+            return _answer_continuous(target, tokenizer, batch, gen_config, eos_ids)
+        return _answer_batch(target, tokenizer, batch, gen_config, eos_ids, device, all_turns)
+
     try:
         with attention, open(output_file, "a", encoding="utf-8") as out:
             for start in range(0, len(todo), batch_size):
                 batch = todo[start : start + batch_size]
-                # Seeded by the batch's first prompt, so a resumed run samples like an uninterrupted one would.
-                torch.manual_seed(seed + order[batch[0].id])
-                if engine == "continuous":
-                    rows = _answer_continuous(target, tokenizer, batch, gen_config, eos_ids)
-                else:
-                    rows = _answer_batch(target, tokenizer, batch, gen_config, eos_ids, device, all_turns)
+                try:
+                    rows = answer(batch)
+                except Exception as err:  # noqa: BLE001 - retried once without grouped attention, else raised
+                    if not grouped:
+                        raise
+                    logger.warning("grouped attention failed (%s: %s); answering with the model's own attention "
+                                   "from now on (--no_grouped_attention skips the attempt)",
+                                   type(err).__name__, err)  # fmt: skip
+                    attention.close()  # back to "sdpa"
+                    grouped = False
+                    rows = answer(batch)
                 out.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
                 out.flush()
                 os.fsync(out.fileno())

@@ -341,8 +341,18 @@ class DraftTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
-        with self._evaluation_grad_mode(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)
+        grad_mode = self._evaluation_grad_mode()
+        try:
+            with grad_mode, self.compute_loss_context_manager():
+                loss = self.compute_loss(model, inputs)
+        except Exception as err:  # noqa: BLE001 - grad mode is an optimization: evaluate without it from now on
+            if not isinstance(grad_mode, torch.enable_grad):
+                raise
+            logger.warning("evaluation in grad mode failed (%s: %s); evaluating under no_grad from now on",
+                           type(err).__name__, err)  # fmt: skip
+            self._evaluate_in_grad_mode = False
+            with torch.no_grad(), self.compute_loss_context_manager():
+                loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
     def _evaluation_grad_mode(self):
@@ -353,7 +363,7 @@ class DraftTrainer(Trainer):
         DeepSpeed and FSDP keep no_grad (their sharding hooks expect a backward after a grad-mode forward)."""
         compiled = getattr(self.args, "compile_loss", False) or self.args.device.type == "cuda"
         sharded = getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
-        if compiled and not sharded:
+        if compiled and not sharded and getattr(self, "_evaluate_in_grad_mode", True):
             return torch.enable_grad()
         return torch.no_grad()
 
