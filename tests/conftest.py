@@ -43,9 +43,9 @@ def tiny_target_config(family: str, vocab_size: int = TINY_VOCAB, num_layers: in
     raise ValueError(family)
 
 
-def make_tiny_target(family: str, seed: int = 0, **kw):
+def make_tiny_target(family: str, seed: int = 0, attn_implementation: str = "eager", **kw):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_target_config(family, **kw), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(tiny_target_config(family, **kw), attn_implementation=attn_implementation)
     return model.eval()
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_target, require_default_target, tiny_target_config
+from conftest import make_tiny_target, require_default_target
 from torch import nn
 
 from hf_dspark.data import load_conversations, regenerate_responses, tokenize_conversations
@@ -31,12 +31,17 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_target_path())
 
 
-@pytest.fixture
-def target(tokenizer):
-    # A tiny random Llama over SmolLM2's vocabulary: real generate(), fast on CPU.
-    model = make_tiny_target("llama", vocab_size=len(tokenizer))
+def smollm2_vocab_target(tokenizer, attn_implementation: str = "eager"):
+    """A tiny random Llama over SmolLM2's vocabulary (its query heads share key/value heads): real generate(), fast
+    on CPU."""
+    model = make_tiny_target("llama", vocab_size=len(tokenizer), attn_implementation=attn_implementation)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+@pytest.fixture
+def target(tokenizer):
+    return smollm2_vocab_target(tokenizer)
 
 
 def write_prompts(path, rows):
@@ -48,12 +53,24 @@ def read_rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def count_generate_calls(model):
+def always_end_turn(target, tokenizer) -> None:
+    """Give `target` a head that always prefers <|im_end|>."""
+    head = nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
+    nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = 10.0
+    target.config.tie_word_embeddings = False
+    target.lm_head = head
+
+
+def record_generate_calls(model, read=lambda kwargs: kwargs["input_ids"].shape[0]) -> list:
+    """Wrap `model.generate`; each call appends `read(its kwargs)` (default: the batch's rows) to the list."""
     calls = []
     original = model.generate
 
     def generate(*args, **kwargs):
-        calls.append(kwargs["input_ids"].shape[0])
+        calls.append(read(kwargs))
         return original(*args, **kwargs)
 
     model.generate = generate
@@ -83,7 +100,7 @@ def test_writes_one_conversation_per_prompt_with_token_counts(tmp_path, target, 
 
 
 def test_all_turns_are_answered_in_order_seeing_earlier_answers(tmp_path, target, tokenizer):
-    calls = count_generate_calls(target)
+    calls = record_generate_calls(target)
     out = regenerate_responses(target, tokenizer, PROMPTS[:3], tmp_path / "out.jsonl", batch_size=3,
                                max_new_tokens=4, all_turns=True, progress=False)
     rows = {r["id"]: r for r in read_rows(out)}
@@ -98,14 +115,7 @@ def test_all_turns_are_answered_in_order_seeing_earlier_answers(tmp_path, target
 
 
 def test_end_of_turn_token_ends_the_answer_with_finish_stop(tmp_path, target, tokenizer):
-    # A head that always prefers <|im_end|>: every answer is empty and stops at once.
-    head = nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
-    nn.init.zeros_(head.weight)
-    with torch.no_grad():
-        head.bias.zero_()
-        head.bias[tokenizer.eos_token_id] = 10.0
-    target.config.tie_word_embeddings = False
-    target.lm_head = head
+    always_end_turn(target, tokenizer)  # every answer is empty and stops at once
     out = regenerate_responses(target, tokenizer, PROMPTS[:2], tmp_path / "out.jsonl", max_new_tokens=8,
                                temperature=0, progress=False)
     for row in read_rows(out):
@@ -137,7 +147,7 @@ def test_resume_after_a_crash_repairs_the_last_line_and_matches_an_uninterrupted
     with open(out, "a") as f:
         f.write('{"id": "c", "messages": [{"role": "us')
 
-    calls = count_generate_calls(target)
+    calls = record_generate_calls(target)
     regenerate_responses(target, tokenizer, prompts, out, **kwargs)
     assert calls == [2, 1]  # only c, d, e were generated
     assert out.read_text() == reference.read_text()
@@ -194,14 +204,7 @@ def test_a_complete_last_row_missing_its_newline_is_kept(tmp_path):
 def test_static_cache_decoding_answers_like_the_dynamic_cache(tmp_path, target, tokenizer):
     """static_cache: every call decodes on a static cache of one length (longest prompt + max_new_tokens, rounded
     up to 256) and, greedy in float32, writes exactly what the dynamic cache writes; all_turns cannot use it."""
-    configs = []
-    original = target.generate
-
-    def generate(*args, **kwargs):
-        configs.append(kwargs["generation_config"])
-        return original(*args, **kwargs)
-
-    target.generate = generate
+    configs = record_generate_calls(target, lambda kwargs: kwargs["generation_config"])
     first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
     settings = dict(batch_size=2, max_new_tokens=12, temperature=0, progress=False)
     static = regenerate_responses(target, tokenizer, first_turns, tmp_path / "static.jsonl", static_cache=True,
@@ -220,22 +223,10 @@ def test_grouped_attention_writes_what_sdpa_writes(tmp_path, tokenizer):
     """grouped_attention (default on): an "sdpa" target with grouped key/value heads answers through
     hf_dspark.grouped_sdpa during the run, writes exactly what plain "sdpa" writes (greedy, static cache, float32)
     and gets its own attention setting back afterwards."""
-    from transformers import AutoModelForCausalLM
-
     from hf_dspark.grouped_sdpa import NAME
 
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(tiny_target_config("llama", vocab_size=len(tokenizer)),
-                                              attn_implementation="sdpa").eval()  # fmt: skip
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
-    used = []
-    original = target.generate
-
-    def generate(*args, **kwargs):
-        used.append(target.config._attn_implementation)
-        return original(*args, **kwargs)
-
-    target.generate = generate
+    target = smollm2_vocab_target(tokenizer, attn_implementation="sdpa")
+    used = record_generate_calls(target, lambda kwargs: target.config._attn_implementation)
     first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
     settings = dict(batch_size=2, max_new_tokens=12, temperature=0, progress=False, static_cache=True)
     grouped = regenerate_responses(target, tokenizer, first_turns, tmp_path / "grouped.jsonl", **settings)
@@ -261,14 +252,7 @@ def test_continuous_batching_writes_what_generate_writes(tmp_path, target, token
                              **settings)  # fmt: skip
     with pytest.raises(ValueError, match="engine must be one of generate, continuous"):
         regenerate_responses(target, tokenizer, PROMPTS, tmp_path / "x.jsonl", engine="vllm", **settings)
-    # A head that always prefers <|im_end|>: empty answers that stop at once.
-    head = nn.Linear(target.config.hidden_size, target.config.vocab_size, bias=True)
-    nn.init.zeros_(head.weight)
-    with torch.no_grad():
-        head.bias.zero_()
-        head.bias[tokenizer.eos_token_id] = 10.0
-    target.config.tie_word_embeddings = False
-    target.lm_head = head
+    always_end_turn(target, tokenizer)  # empty answers that stop at once
     out = regenerate_responses(target, tokenizer, first_turns[:2], tmp_path / "eos.jsonl", engine="continuous",
                                **settings)  # fmt: skip
     assert [(r["finish"], r["completion_tokens"], r["messages"][1]["content"]) for r in read_rows(out)] == [
@@ -279,12 +263,8 @@ def test_a_failing_grouped_attention_falls_back_to_the_models_own(tmp_path, toke
     """If grouped attention fails on some machine, the batch is answered again with the model's own attention (and
     so is the rest), with a warning: a data run is not lost to an optimization."""
     import hf_dspark.grouped_sdpa as grouped
-    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    target = AutoModelForCausalLM.from_config(tiny_target_config("llama", vocab_size=len(tokenizer)),
-                                              attn_implementation="sdpa").eval()  # fmt: skip
-    target.generation_config.eos_token_id = tokenizer.eos_token_id
+    target = smollm2_vocab_target(tokenizer, attn_implementation="sdpa")
     first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
     settings = dict(batch_size=2, max_new_tokens=6, temperature=0, progress=False, static_cache=True)
     plain = regenerate_responses(target, tokenizer, first_turns, tmp_path / "plain.jsonl", grouped_attention=False,
