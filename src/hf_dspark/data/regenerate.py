@@ -150,7 +150,7 @@ def regenerate_responses(
                          "pass static_cache=False (--static_cache false) with all_turns")  # fmt: skip
     if static_cache and todo:
         gen_config.cache_implementation = "static"
-        first_turns = [_prompt_text(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in todo]
+        first_turns = [_prompt_text(tokenizer, _first_turn(p)) for p in todo]
         # Tokenized as _answer_batch tokenizes them, so the cache fits every call's prompt.
         ids = tokenizer(first_turns, add_special_tokens=False)["input_ids"]
         gen_config.max_cache_len = static_cache_length(ids, max_new_tokens)
@@ -163,8 +163,9 @@ def regenerate_responses(
     bar = tqdm(total=len(all_prompts), initial=len(all_prompts) - len(todo), unit="prompt", disable=not progress,
                desc="Regenerating answers")
     attention = contextlib.ExitStack()
-    # (continuous batching attends through its own paged implementation)
-    grouped = grouped_attention and engine == "generate" and attention.enter_context(grouped_sdpa(target))
+    grouped = False
+    if grouped_attention and engine == "generate":  # (continuous batching attends through its own paged attention)
+        grouped = attention.enter_context(grouped_sdpa(target))  # False where it does not apply
 
     def answer(batch: list[Prompt]) -> list[dict]:
         # Seeded by the batch's first prompt, so a resumed run samples like an uninterrupted one would.
@@ -197,6 +198,10 @@ def regenerate_responses(
         tokenizer.padding_side, tokenizer.pad_token = saved
         target.train(was_training)
     return output_file
+
+
+def _first_turn(prompt: Prompt) -> list[dict]:
+    return [{"role": "user", "content": prompt.turns[0]}]
 
 
 def _prompt_text(tokenizer, messages: list[dict]) -> str:
@@ -235,7 +240,7 @@ def _answer_batch(target, tokenizer, batch: list[Prompt], gen_config, eos_ids, d
 
 def _answer_continuous(target, tokenizer, batch: list[Prompt], gen_config, eos_ids) -> list[dict]:
     """First turns through transformers' continuous batching; one request per prompt, in order."""
-    texts = [_prompt_text(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in batch]
+    texts = [_prompt_text(tokenizer, _first_turn(p)) for p in batch]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     cpu = next(target.parameters()).device.type == "cpu"
     results = target.generate_batch(
@@ -256,8 +261,8 @@ def _answer_continuous(target, tokenizer, batch: list[Prompt], gen_config, eos_i
         tokens = list(out.generated_tokens)
         stop = bool(tokens) and tokens[-1] in eos  # the engine stops at the first end-of-turn token
         answer = tokens[:-1] if stop else tokens
-        messages = [{"role": "user", "content": p.turns[0]},
-                    {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}]  # fmt: skip
+        reply = {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True)}
+        messages = _first_turn(p) + [reply]
         rows.append(_row(p, messages, "stop" if stop else "length", len(prompt_ids), len(tokens)))
     return rows
 
