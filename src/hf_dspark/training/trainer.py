@@ -171,6 +171,7 @@ class DraftTrainer(Trainer):
             self.add_callback(self.deadline)
         self.target_model = None
         self._compiled_target_layers = None
+        self._evaluate_in_grad_mode = True  # until a grad-mode evaluation fails (prediction_step)
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
             if getattr(self.args, "compile_target", False):
@@ -363,7 +364,7 @@ class DraftTrainer(Trainer):
         DeepSpeed and FSDP keep no_grad (their sharding hooks expect a backward after a grad-mode forward)."""
         compiled = getattr(self.args, "compile_loss", False) or self.args.device.type == "cuda"
         sharded = getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
-        if compiled and not sharded and getattr(self, "_evaluate_in_grad_mode", True):
+        if compiled and not sharded and self._evaluate_in_grad_mode:
             return torch.enable_grad()
         return torch.no_grad()
 
