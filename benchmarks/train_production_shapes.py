@@ -16,6 +16,7 @@ backward, optimizer step. No host synchronization inside the timed steps except 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import resource
@@ -26,6 +27,7 @@ import time
 import torch
 
 from hf_dspark import DSparkConfig, DSparkModel
+from hf_dspark.training.compiled_layers import CompiledLayers
 from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
 from hf_dspark.models.anchors import sample_anchors
 
@@ -56,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--loss_backend", default="torch", choices=["torch", "triton", "auto"],
                    help="the vocabulary-wide loss's backend (default: torch, the trainer's default; auto: Triton on CUDA)")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute decoder layers in backward")
+    p.add_argument("--compile_draft_layers", action="store_true",
+                   help="torch.compile the draft's layer methods (the trainer's compile_draft_layers)")  # fmt: skip
     p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
     p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
     p.add_argument("--output", default=None, help="write the results as JSON here")
@@ -134,12 +138,16 @@ def main(argv=None):
     trainable = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=cuda)
     input_ids, loss_mask, context, last = synthetic_batch(cfg, seq_len, device, dtype)
+    layers = contextlib.nullcontext()
+    if args.compile_draft_layers:  # as the trainer does it
+        layers = CompiledLayers(draft.layers, draft.compiled_layer_methods, dynamic=False, recompile_limit=64)
 
     def step(i: int):
         generator = torch.Generator(device=device).manual_seed(i)
         positions, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, fixed_count=True)
-        out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
-                    anchor_mask=valid)  # fmt: skip
+        with layers:
+            out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
+                        anchor_mask=valid)  # fmt: skip
         result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss,
                                   backend=args.loss_backend)  # fmt: skip
         result.loss.backward()
@@ -188,6 +196,7 @@ def main(argv=None):
         "compile_loss": args.compile_loss,
         "loss_backend": args.loss_backend,
         "gradient_checkpointing": args.gradient_checkpointing,
+        "compile_draft_layers": args.compile_draft_layers,
         "chunk_elements": args.chunk_elements,
         "shapes": {
             "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "intermediate": cfg.intermediate_size,
@@ -214,7 +223,8 @@ def main(argv=None):
         ("shapes", f"d={cfg.hidden_size} L={cfg.num_hidden_layers} V={cfg.vocab_size} K={cfg.block_size} "
                    f"N={cfg.num_anchors} T={seq_len}"),
         ("trainable params", f"{result['trainable_params'] / 1e6:.1f} M"),
-        ("attention / loss backend / compiled", f"{result['attention']} / {args.loss_backend} / {args.compile_loss}"),
+        ("attention / loss backend / compiled loss / compiled layers",
+         f"{result['attention']} / {args.loss_backend} / {args.compile_loss} / {args.compile_draft_layers}"),
         ("step time (median of %d)" % args.steps, f"{step_ms:.1f} ms   (goal 41 ms; DeepSpec 110 ms)"),
         ("supervised block tokens/s", f"{result['supervised_block_tokens_per_s'] / 1e3:.1f} k   (goal 86 k)"),
         (f"peak memory ({result['peak_memory_kind']})", f"{peak_gib:.2f} GiB   (goal 11.4 GiB; DeepSpec 23.9)"),

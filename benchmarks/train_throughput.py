@@ -71,6 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup_steps_excluded", type=int, default=5, help="first steps left out of tokens/s")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--compile_draft_layers", nargs="+", choices=["off", "on"], default=["off"],
+                   help="train each drafter with its layer methods eager (off), compiled (on), or both in turn")  # fmt: skip
     p.add_argument("--dataloader_num_workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -140,13 +142,16 @@ def main(argv=None):
     cache_probe = probe_cache_sizes(args, target, tokenizer, eval_rows) if args.probe_cache_rows else {}
 
     results, max_steps = [], args.max_steps
-    for index, algorithm in enumerate(args.algorithms):
-        output_dir = str(Path(args.output_dir) / algorithm) if len(args.algorithms) > 1 else args.output_dir
-        result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda)
+    variants = [(a, c) for a in args.algorithms for c in args.compile_draft_layers]
+    for index, (algorithm, compiled_layers) in enumerate(variants):
+        name = algorithm + ("-compiled-layers" if compiled_layers == "on" else "")
+        output_dir = str(Path(args.output_dir) / name) if len(variants) > 1 else args.output_dir
+        result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
+                           compile_draft_layers=compiled_layers == "on")  # fmt: skip
         result["setup_s"] = setup_s
         results.append(result)
         if index == 0 and args.same_steps:
-            max_steps = result["steps"]  # later drafters: the same number of optimizer steps
+            max_steps = result["steps"]  # later runs: the same number of optimizer steps
     report = {
         "benchmark": "train_throughput",
         "command": "python " + " ".join(sys.argv),
@@ -194,10 +199,12 @@ def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
     return probe
 
 
-def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda) -> dict:
+def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
+              compile_draft_layers=False) -> dict:  # fmt: skip
     """Train one drafter (online or from a cache) and measure it."""
     training_args = bench_training_args(
         args, algorithm, output_dir, cuda,
+        compile_draft_layers=compile_draft_layers,
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
@@ -289,6 +296,7 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         },
         "attention": args.attention,
         "compile_loss": args.compile_loss,
+        "compile_draft_layers": compile_draft_layers,
         "draft_dir": output_dir,
         **cache_info,
     }
@@ -301,7 +309,9 @@ def print_table(results: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         h = r["heldout"]
-        print(f"| {r['algorithm']} ({r['draft']['layers']} layers) | {r['steps']} | {fmt(r['measured_s'], '.1f')} "
+        compiled = ", compiled layers" if r.get("compile_draft_layers") else ""
+        print(f"| {r['algorithm']} ({r['draft']['layers']} layers{compiled}) | {r['steps']} "
+              f"| {fmt(r['measured_s'], '.1f')} "
               f"| {fmt(r['supervised_block_tokens_per_s'], ',.0f')} | {r['peak_memory_gib']:.2f} "
               f"| {fmt(h['tau_prob'], '.3f')} / {fmt(h['tau_greedy'], '.3f')} "
               f"| {' '.join(fmt(x, '.2f') for x in h['accept_at_k'])} "

@@ -366,7 +366,8 @@ def test_loss_is_normalized_globally_across_two_gloo_ranks():
             assert result == {"loss_ok": True, "grads_ok": True, "terms_ok": True}, (rank, result)
 
 
-def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--compile_draft_layers"]], ids=["eager-layers", "compiled-layers"])
+def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path, extra):
     """benchmarks/train_production_shapes.py --smoke: the GPU benchmark's code path, on CPU with tiny shapes."""
     import importlib.util
     import json
@@ -377,8 +378,9 @@ def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "result.json"
-    result = bench.main(["--device", "cpu", "--smoke", "--steps", "2", "--warmup", "1", "--output", str(out)])
+    result = bench.main(["--device", "cpu", "--smoke", "--steps", "2", "--warmup", "1", "--output", str(out), *extra])
     assert json.loads(out.read_text())["step_ms_median"] == result["step_ms_median"] > 0
+    assert result["compile_draft_layers"] == bool(extra)
     assert result["supervised_block_tokens_per_step"] > 0 and math.isfinite(result["final_loss"])
 
 

@@ -591,7 +591,7 @@ def test_compiled_target_failure_falls_back_to_the_eager_target(tmp_path, caplog
         calls.append(1)
         raise RuntimeError("inductor could not lower this op")
 
-    trainer._compiled_target_layers.pairs = [(layer, broken) for layer in decoder_layers(target)]
+    trainer._compiled_target_layers.pairs = [(layer, "forward", broken) for layer in decoder_layers(target)]
     with caplog.at_level("WARNING"):
         trainer.train()
     assert len(calls) == 1 and trainer._compiled_target_layers is None
@@ -629,3 +629,64 @@ def test_compiled_target_layers_train_like_eager_and_leave_the_target_untouched(
     assert (trainer._compiled_target_layers is not None) and len(losses[True]) == 3
     assert 1 <= counters["frames"]["ok"] <= 2  # it compiled: once for all layers (twice with a new length)
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_compiled_draft_layers_train_like_eager_and_are_swapped_back(tmp_path, algorithm):
+    """compile_draft_layers: the draft's layer methods run compiled inside the training forward only; the losses
+    and the trained weights match the eager run's (float32 on CPU), and the layers keep their own methods."""
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for compiled in (False, True):
+        counters.clear()
+        target = make_tiny_target("llama")
+        args = make_args(tmp_path, algorithm=algorithm, num_hidden_layers=2 if algorithm != "eagle3" else 1,
+                         num_anchors=None if algorithm == "eagle3" else 8, compile_target=False,
+                         compile_draft_layers=compiled)  # fmt: skip
+        set_seed(3)
+        trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+        methods = trainer.model.compiled_layer_methods
+        assert (trainer._compiled_draft_layers is not None) == compiled
+        trainer.train()
+        runs[compiled] = (losses(trainer), trainable_state(trainer.model))
+        assert not any(name in layer.__dict__ for layer in trainer.model.layers for name in methods)
+        report = json.loads((tmp_path / "out" / "compile_report.json").read_text())
+        compiled_functions = {f["function"] for f in report["frames"]}
+        assert any(any(m in f for m in methods) for f in compiled_functions) == compiled, compiled_functions
+    assert trainer._compiled_draft_layers is not None and counters["frames"]["ok"] >= len(methods)
+    (eager_losses, eager_state), (compiled_losses, compiled_state) = runs[False], runs[True]
+    assert [s for s, _ in compiled_losses] == [s for s, _ in eager_losses]
+    assert [x for _, x in compiled_losses] == pytest.approx([x for _, x in eager_losses], rel=1e-4)
+    for name, value in eager_state.items():
+        torch.testing.assert_close(compiled_state[name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_draft_layers_failure_falls_back_and_sharding_or_checkpointing_skip_it(tmp_path, caplog):
+    """A draft the compiler cannot handle still trains: the forward reruns eagerly, a warning says so once, and
+    the swap is undone. Gradient checkpointing (layers called through the checkpoint function) skips it."""
+    target = make_tiny_target("llama")
+    trainer = DraftTrainer(args=make_args(tmp_path, compile_target=False, compile_draft_layers=True),
+                           train_dataset=tokenized_rows(), target_model=target)  # fmt: skip
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("inductor could not lower this op")
+
+    trainer._compiled_draft_layers.pairs = [(layer, "forward", broken) for layer in trainer.model.layers]
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert len(calls) == 1 and trainer._compiled_draft_layers is None
+    assert sum("compiled draft layers failed" in r.getMessage() for r in caplog.records) == 1
+    assert all("forward" not in layer.__dict__ for layer in trainer.model.layers)
+    assert len(losses(trainer)) == 3 and all(math.isfinite(x) for _, x in losses(trainer))
+
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        checkpointed = DraftTrainer(
+            args=make_args(tmp_path, compile_draft_layers=True, gradient_checkpointing=True),
+            train_dataset=tokenized_rows(), target_model=target,
+        )  # fmt: skip
+    assert checkpointed._compiled_draft_layers is None
+    assert any("compile_draft_layers is ignored with gradient checkpointing" in r.getMessage() for r in caplog.records)

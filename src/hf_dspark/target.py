@@ -301,30 +301,6 @@ def capture_target_features(target: nn.Module, layer_ids: Sequence[int]) -> Iter
         hooks.remove()
 
 
-class CompiledDecoderLayers:
-    """`torch.compile`d forwards of a target's decoder layers, swapped in only inside `with` (outside it the target
-    is untouched, e.g. for `generate()`). One compilation serves every layer (the same code, the weights are graph
-    inputs) and a second one every later sequence length (dynamic), so compiling costs one layer's worth. The
-    layers' forward hooks (`TargetFeatureHooks`) stay outside the compiled code."""
-
-    def __init__(self, target: nn.Module):
-        self.pairs = [(layer, torch.compile(layer.forward, dynamic=None)) for layer in decoder_layers(target)]
-        self._saved: list = []
-
-    def __enter__(self) -> "CompiledDecoderLayers":
-        self._saved = [layer.__dict__.get("forward") for layer, _ in self.pairs]  # e.g. an accelerate wrapper
-        for layer, compiled in self.pairs:
-            layer.forward = compiled
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for (layer, _), saved in zip(self.pairs, self._saved):
-            if saved is None:
-                layer.__dict__.pop("forward", None)  # back to the class's forward
-            else:
-                layer.forward = saved
-
-
 @torch.no_grad()
 def target_features(
     target: nn.Module,
@@ -351,7 +327,6 @@ def static_cache_length(prompts: Iterable[Sequence[int]], max_new_tokens: int, s
 
 
 __all__ = [
-    "CompiledDecoderLayers",
     "TargetSpec",
     "TargetFeatureHooks",
     "default_target_layer_ids",

@@ -88,6 +88,9 @@ class DraftPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_flash_attn = False
     _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}
+    # Methods of each entry of `self.layers` the trainer may compile (`compile_draft_layers`): the element-wise
+    # work around the matrix products (norms, rotary, residuals, casts) runs as a few fused kernels.
+    compiled_layer_methods: tuple[str, ...] = ("forward",)
 
     # -- construction -----------------------------------------------------------------------------------------
 

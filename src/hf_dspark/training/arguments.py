@@ -83,6 +83,12 @@ class DraftTrainingArguments(TrainingArguments):
                   "fewer launches; one layer's compilation serves all). Default: on CUDA (SmolLM2 on an H200: "
                   "the target's forward 33.9 -> 18.4 ms of an 89 -> 71 ms step)."},
     )
+    compile_draft_layers: bool = field(
+        default=False,
+        metadata={"help": "torch.compile the draft's layer methods for training (fused norms, rotary, residuals and "
+                  "casts around the matrix products; one compilation per padded length). Off by default until "
+                  "timed; not with gradient checkpointing, DeepSpeed or FSDP (ignored there, with a warning)."},
+    )  # fmt: skip
     loss_backend: str = field(
         default="torch",
         metadata={

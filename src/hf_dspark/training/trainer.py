@@ -38,10 +38,11 @@ from transformers.trainer_callback import ProgressCallback
 
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..models.anchors import sample_anchors
-from ..target import CompiledDecoderLayers, target_features
+from ..target import decoder_layers, target_features
 from .arguments import DraftTrainingArguments
 from .checkpoints import resolve_resume_checkpoint
 from .collator import DraftDataCollator
+from .compiled_layers import CompiledLayers
 from .losses import draft_loss
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,8 @@ class DraftTrainer(Trainer):
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
             if getattr(self.args, "compile_target", False):
-                self._compiled_target_layers = CompiledDecoderLayers(self.target_model)
+                self._compiled_target_layers = CompiledLayers(decoder_layers(self.target_model))
+        self._compiled_draft_layers = self._draft_layer_compiler()
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
@@ -251,7 +253,8 @@ class DraftTrainer(Trainer):
             loss_mask = inputs["loss_mask"] * inputs["attention_mask"]
             positions, valid = sample_anchors(loss_mask, draft.config.num_anchors, generator, fixed_count=True)
             inputs.update(anchor_positions=positions, anchor_mask=valid)
-        outputs = model(**inputs)
+        outputs = self._run_compiled("_compiled_draft_layers", lambda: model(**inputs), "draft layers",
+                                     "compile_draft_layers")  # fmt: skip
         with self._gathered_output_weights(draft), self._mixed_precision():
             result = draft_loss(
                 draft,
@@ -273,17 +276,40 @@ class DraftTrainer(Trainer):
         run = lambda: target_features(  # noqa: E731
             self.target_model, inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"]
         )
-        if self._compiled_target_layers is not None:
-            try:
-                with self._compiled_target_layers:
-                    context, last = run()
-                return {"context_features": context, "target_last_hidden": last}
-            except Exception as err:  # noqa: BLE001 - the eager forward computes the same features
-                logger.warning("compiled target forward failed (%s: %s); the target runs uncompiled from now on "
-                               "(compile_target=False avoids the attempt)", type(err).__name__, err)  # fmt: skip
-                self._compiled_target_layers = None
-        context, last = run()
+        context, last = self._run_compiled("_compiled_target_layers", run, "target forward", "compile_target")
         return {"context_features": context, "target_last_hidden": last}
+
+    def _run_compiled(self, attribute: str, run, what: str, flag: str):
+        """`run()` with the compiled layers in `self.<attribute>` swapped in. Compilation is an optimization: if
+        it fails, the same call reruns uncompiled (same result), a warning says so once, and later calls skip it.
+        (A failure in a compiled backward surfaces in the step's backward instead.)"""
+        compiled = getattr(self, attribute)
+        if compiled is not None:
+            try:
+                with compiled:
+                    return run()
+            except Exception as err:  # noqa: BLE001 - the uncompiled methods compute the same values
+                logger.warning("compiled %s failed (%s: %s); running uncompiled from now on (%s=False avoids the "
+                               "attempt)", what, type(err).__name__, err, flag)  # fmt: skip
+                setattr(self, attribute, None)
+        return run()
+
+    def _draft_layer_compiler(self) -> CompiledLayers | None:
+        """`compile_draft_layers`: the draft's `compiled_layer_methods`, static shapes (flex attention inside is
+        compiled per padded length anyway; CPU inductor cannot compile it with symbolic lengths)."""
+        if not getattr(self.args, "compile_draft_layers", False):
+            return None
+        reason = (
+            "gradient checkpointing" if self.args.gradient_checkpointing
+            else "DeepSpeed" if getattr(self, "is_deepspeed_enabled", False)
+            else "FSDP" if getattr(self, "is_fsdp_enabled", False)
+            else None
+        )  # fmt: skip
+        if reason is not None:
+            logger.warning("compile_draft_layers is ignored with %s: the draft's layers run uncompiled", reason)
+            return None
+        draft = self.accelerator.unwrap_model(self.model)
+        return CompiledLayers(draft.layers, draft.compiled_layer_methods, dynamic=False, recompile_limit=64)
 
     def _anchor_generator(self, mode: str, inputs) -> torch.Generator:
         if mode == "train":

@@ -85,6 +85,8 @@ class DSparkModel(DraftPreTrainedModel):
                 hidden = layer(hidden, cos, sin, context_kv, mask)
         return self.norm(hidden)
 
+    compiled_layer_methods = ("context_kv", "forward")
+
     # "auto": flex_attention with a sparse BlockMask on CUDA, the equivalent dense boolean mask elsewhere.
     block_mask_kind: str = "auto"
 

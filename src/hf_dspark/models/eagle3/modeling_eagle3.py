@@ -61,6 +61,7 @@ class Eagle3DecoderLayer(nn.Module):
 class Eagle3Model(DraftPreTrainedModel):
     config_class = Eagle3Config
     _no_split_modules = ["Eagle3DecoderLayer"]
+    compiled_layer_methods = ("inputs", "finish")  # the attention in between runs per TTT step, uncompiled
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)

@@ -1,0 +1,62 @@
+"""Compiled layer methods for training, swapped in only inside a `with` block.
+
+The trainer compiles the online target's decoder layers (`compile_target`) and, opt-in, the draft's own layer
+methods (`compile_draft_layers`). Outside the block each layer keeps its own methods, so `generate()`, saving and
+the inference paths never see the compiled ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+
+class CompiledLayers:
+    """`torch.compile`d versions of the named methods of each layer. One compilation serves every layer of a
+    kind (the same code; the weights are graph inputs); a new input shape compiles again (with `dynamic=None`
+    the second one is dynamic). `recompile_limit` raises dynamo's per-function limit (default 8) inside the
+    block: past it dynamo silently runs the function uncompiled. Forward hooks stay outside the compiled code."""
+
+    def __init__(
+        self,
+        layers: Iterable[nn.Module],
+        methods: Sequence[str] = ("forward",),
+        dynamic: bool | None = None,
+        recompile_limit: int | None = None,
+    ):
+        self.pairs = [
+            (layer, name, torch.compile(getattr(layer, name), dynamic=dynamic))
+            for layer in layers
+            for name in methods
+        ]
+        if not self.pairs:
+            raise ValueError(f"no layer has the methods {tuple(methods)} to compile")
+        self._limits = {}
+        if recompile_limit is not None:
+            config = torch._dynamo.config
+            key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            self._limits = {key: max(getattr(config, key), recompile_limit)}
+        self._saved: list = []
+        self._patch = contextlib.nullcontext()
+
+    def __enter__(self) -> "CompiledLayers":
+        self._saved = [layer.__dict__.get(name) for layer, name, _ in self.pairs]  # e.g. an accelerate wrapper
+        for layer, name, compiled in self.pairs:
+            setattr(layer, name, compiled)
+        self._patch = torch._dynamo.config.patch(**self._limits) if self._limits else contextlib.nullcontext()
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._patch.__exit__(*exc)
+        for (layer, name, _), saved in zip(self.pairs, self._saved):
+            if saved is None:
+                layer.__dict__.pop(name, None)  # back to the class's method
+            else:
+                setattr(layer, name, saved)
+
+
+__all__ = ["CompiledLayers"]
