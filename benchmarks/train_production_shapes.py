@@ -27,7 +27,7 @@ import time
 import torch
 
 from hf_dspark import DSparkConfig, DSparkModel
-from hf_dspark.training.compiled_layers import CompiledLayers
+from hf_dspark.training.compiled_layers import compiled_draft_layers
 from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
 from hf_dspark.models.anchors import sample_anchors
 
@@ -140,7 +140,7 @@ def main(argv=None):
     input_ids, loss_mask, context, last = synthetic_batch(cfg, seq_len, device, dtype)
     layers = contextlib.nullcontext()
     if args.compile_draft_layers:  # as the trainer does it
-        layers = CompiledLayers(draft.layers, draft.compiled_layer_methods, dynamic=False, recompile_limit=64)
+        layers = compiled_draft_layers(draft)
 
     def step(i: int):
         generator = torch.Generator(device=device).manual_seed(i)

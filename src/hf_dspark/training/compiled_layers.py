@@ -59,4 +59,11 @@ class CompiledLayers:
                 setattr(layer, name, saved)
 
 
-__all__ = ["CompiledLayers"]
+def compiled_draft_layers(draft: nn.Module) -> CompiledLayers:
+    """The draft's `compiled_layer_methods`, as training compiles them (`compile_draft_layers`): static shapes,
+    since flex attention inside is compiled per padded length anyway and CPU inductor cannot compile it with
+    symbolic lengths; a padded length per recompilation, so dynamo's limit is raised."""
+    return CompiledLayers(draft.layers, draft.compiled_layer_methods, dynamic=False, recompile_limit=64)
+
+
+__all__ = ["CompiledLayers", "compiled_draft_layers"]

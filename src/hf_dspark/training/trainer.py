@@ -42,7 +42,7 @@ from ..target import decoder_layers, target_features
 from .arguments import DraftTrainingArguments
 from .checkpoints import resolve_resume_checkpoint
 from .collator import DraftDataCollator
-from .compiled_layers import CompiledLayers
+from .compiled_layers import CompiledLayers, compiled_draft_layers
 from .losses import draft_loss
 
 logger = logging.getLogger(__name__)
@@ -295,8 +295,7 @@ class DraftTrainer(Trainer):
         return run()
 
     def _draft_layer_compiler(self) -> CompiledLayers | None:
-        """`compile_draft_layers`: the draft's `compiled_layer_methods`, static shapes (flex attention inside is
-        compiled per padded length anyway; CPU inductor cannot compile it with symbolic lengths)."""
+        """`compile_draft_layers`, where the draft's layers are called directly (see `compiled_draft_layers`)."""
         if not getattr(self.args, "compile_draft_layers", False):
             return None
         reason = (
@@ -308,8 +307,7 @@ class DraftTrainer(Trainer):
         if reason is not None:
             logger.warning("compile_draft_layers is ignored with %s: the draft's layers run uncompiled", reason)
             return None
-        draft = self.accelerator.unwrap_model(self.model)
-        return CompiledLayers(draft.layers, draft.compiled_layer_methods, dynamic=False, recompile_limit=64)
+        return compiled_draft_layers(self.accelerator.unwrap_model(self.model))
 
     def _anchor_generator(self, mode: str, inputs) -> torch.Generator:
         if mode == "train":
