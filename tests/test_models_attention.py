@@ -306,3 +306,25 @@ def test_flex_path_serves_several_sequence_lengths(qwen3):
             draft.block_mask_kind = "flex"
             flex = draft(ids, feats, lm, anchor_positions=anchors).hidden_states
             torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_draft_layers_trace_flex_attention_into_their_graph(qwen3):
+    """compile_draft_layers compiles each layer's forward: flex attention then runs as part of that graph (no graph
+    break at its own compiled wrapper and config patch) and the hidden states equal the uncompiled flex path's.
+    Forward only: CPU flex attention has no backward."""
+    from torch._dynamo.utils import counters
+
+    from hf_dspark.training.compiled_layers import compiled_draft_layers
+
+    draft = block_draft(DSparkModel, qwen3)
+    draft.block_mask_kind = "flex"
+    ids, feats, _ = inputs(qwen3, draft.config.target_layer_ids, seq=40, batch=2, seed=5)
+    anchors = torch.tensor([[0, 8, 9, 30], [3, 4, 20, 33]])
+    with torch.no_grad():
+        eager = draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors).hidden_states
+        counters.clear()
+        with compiled_draft_layers(draft):
+            compiled = draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors).hidden_states
+    assert counters["frames"]["ok"] >= 2 and not counters["graph_break"], dict(counters["graph_break"])
+    assert not any(name in layer.__dict__ for layer in draft.layers for name in draft.compiled_layer_methods)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)

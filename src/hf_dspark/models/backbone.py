@@ -110,11 +110,14 @@ def attend(
         pad = mask.seq_lengths[1] - key.shape[2]
         if pad > 0:  # keys padded to whole tiles on CPU (see anchors.flex_block_mask); the mask hides them
             key, value = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (key, value))
-        # Variable-length training compiles once per padded length: allow more recompiles than dynamo's default
-        # of 8 (past it, flex silently falls back to an unfused, memory-hungry path), for this call only.
-        compiled, limits = _compiled_flex_attention()
-        with torch._dynamo.config.patch(**limits):
-            out = compiled(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
+        if torch.compiler.is_compiling():  # inside a compiled caller (compile_draft_layers): part of its graph
+            out = flex_attention(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
+        else:
+            # Variable-length training compiles once per padded length: allow more recompiles than dynamo's
+            # default of 8 (past it, flex silently falls back to an unfused, memory-hungry path), for this call.
+            compiled, limits = _compiled_flex_attention()
+            with torch._dynamo.config.patch(**limits):
+                out = compiled(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
         out = out.transpose(1, 2)
     else:
         if implementation == "eager" and mask is not None:
