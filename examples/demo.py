@@ -54,7 +54,7 @@ def parse_args():
                    help="CUDA data: how many times the target answers the extra prompts, one sampling seed each "
                    "(each pass about a minute on an H200; a pass kept from an earlier run is reused)")  # fmt: skip
     p.add_argument("--minutes", type=float, default=None, help="training time budget (default: 3 on CPU, 8 on CUDA)")
-    p.add_argument("--train_rows", type=int, default=10_000, help="at most this many conversations are used")
+    p.add_argument("--train_rows", type=int, default=None, help="use at most this many conversations (default: all)")
     p.add_argument("--eval_prompts", type=int, default=None, help="held-out prompts (default: 3 on CPU, 6 on CUDA)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="default: 48 on CPU, 128 on CUDA")
     return p.parse_args()
@@ -124,7 +124,8 @@ def main():
         data = [str(SHIPPED_ANSWERS)] + [str(p) for p in answer_more_prompts(target, tokenizer, out, args.answer_passes)]
     conversations = load_conversations(data)
     conversations = conversations.filter(lambda row: row["messages"][0]["content"] not in held_out_text)
-    conversations = conversations.select(range(min(args.train_rows, len(conversations))))
+    if args.train_rows is not None:
+        conversations = conversations.select(range(min(args.train_rows, len(conversations))))
     rows = tokenize_conversations(conversations, tokenizer, max_length=1024 if cuda else 256)
     sources = data if isinstance(data, str) else " + ".join(data)
     step(f"training data: {len(rows)} conversations from {sources}")
