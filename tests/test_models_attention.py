@@ -320,11 +320,16 @@ def test_compiled_draft_layers_trace_flex_attention_into_their_graph(qwen3):
     draft.block_mask_kind = "flex"
     ids, feats, _ = inputs(qwen3, draft.config.target_layer_ids, seq=40, batch=2, seed=5)
     anchors = torch.tensor([[0, 8, 9, 30], [3, 4, 20, 33]])
+    layers = compiled_draft_layers(draft)
     with torch.no_grad():
         eager = draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors).hidden_states
         counters.clear()
-        with compiled_draft_layers(draft):
+        with layers:
             compiled = draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors).hidden_states
-    assert counters["frames"]["ok"] >= 2 and not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["frames"]["ok"] >= 2 and not counters["graph_break"], dict(counters["graph_break"])
+        compilations = counters["frames"]["ok"]
+        with layers:  # the next step: other anchors (a new block mask and mask_mod), same shapes, no recompilation
+            draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors.flip(0)).hidden_states
+        assert counters["frames"]["ok"] == compilations
     assert not any(name in layer.__dict__ for layer in draft.layers for name in draft.compiled_layer_methods)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
