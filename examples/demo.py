@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import sys
@@ -28,6 +27,7 @@ import torch
 
 import hf_dspark
 from hf_dspark.data import load_conversations, regenerate_responses, tokenize_conversations
+from hf_dspark.data.prompts import read_prompts
 from hf_dspark.data.regenerate import finished_ids
 from hf_dspark.resources import load_target
 from hf_dspark.training import DraftTrainer, DraftTrainingArguments
@@ -259,19 +259,18 @@ def answer_more_prompts(target, tokenizer, out: Path, passes: int) -> list[Path]
     sampling seed per pass (sampled as the shipped answers were), into `out/more_answers_seed{k}.jsonl`. Answers
     to one prompt differ after a few tokens, so each pass is new text for the draft: at the recipe's speed, eight
     minutes of training would otherwise repeat one pass dozens of times. Resumable; a rerun reuses every pass."""
-    with gzip.open(MORE_PROMPTS, "rt", encoding="utf-8") as f:
-        prompts = [json.loads(line) for line in f if line.strip()]
+    total = len(read_prompts(MORE_PROMPTS))
     files = []
     for seed in range(passes):
         path = out / f"more_answers_seed{seed}.jsonl"
         files.append(path)
         done = len(finished_ids(path))
-        if done >= len(prompts):
+        if done >= total:
             step(f"pass {seed + 1} of {passes}: reusing the target's {done} answers from an earlier run ({path})")
             continue
-        step(f"pass {seed + 1} of {passes}: the target answers {len(prompts) - done} prompts (seed {seed}) -> {path}; "
+        step(f"pass {seed + 1} of {passes}: the target answers {total - done} prompts (seed {seed}) -> {path}; "
              "about a minute on an H200, several on smaller GPUs (the bar shows the rate)")  # fmt: skip
-        regenerate_responses(target, tokenizer, prompts, path, batch_size=512, max_new_tokens=384, seed=seed)
+        regenerate_responses(target, tokenizer, MORE_PROMPTS, path, batch_size=512, max_new_tokens=384, seed=seed)
     return files
 
 

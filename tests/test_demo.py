@@ -41,13 +41,14 @@ def test_cpu_run_trains_decodes_losslessly_and_writes_its_results(tmp_path):
 
 
 def test_the_extra_prompts_are_shipped_with_their_sources_and_licences():
+    from hf_dspark.data.prompts import read_prompts
+
     demo = load_demo()
-    with gzip.open(demo.MORE_PROMPTS, "rt", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
-    assert len(rows) == 4096 and len({r["id"] for r in rows}) == len(rows)
-    assert all(r["licence"] in ("MIT", "Apache-2.0", "CC0-1.0") and r["source"] and r["turns"][0] for r in rows)
-    demo_prompts = {json.loads(line)["turns"][0] for line in demo.PROMPTS.read_text().splitlines()}
-    assert not demo_prompts & {r["turns"][0] for r in rows}  # never a held-out demo prompt
+    rows = read_prompts(demo.MORE_PROMPTS)  # the reader regeneration uses (unique ids, non-empty turns)
+    assert len(rows) == 4096
+    assert all(r.extra["licence"] in ("MIT", "Apache-2.0", "CC0-1.0") and r.extra["source"] for r in rows)
+    demo_prompts = {p.turns[0] for p in read_prompts(demo.PROMPTS)}
+    assert not demo_prompts & {r.turns[0] for r in rows}  # never a held-out demo prompt
 
 
 def test_cuda_data_is_the_shipped_answers_plus_the_targets_answers_to_the_extra_prompts(tmp_path, monkeypatch):

@@ -51,6 +51,7 @@ class BlockDraftOutput(ModelOutput):
 
 class DSparkModel(DraftPreTrainedModel):
     config_class = DSparkConfig
+    compiled_layer_methods = ("context_kv", "forward")
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
@@ -84,8 +85,6 @@ class DSparkModel(DraftPreTrainedModel):
             else:
                 hidden = layer(hidden, cos, sin, context_kv, mask)
         return self.norm(hidden)
-
-    compiled_layer_methods = ("context_kv", "forward")
 
     # "auto": flex_attention with a sparse BlockMask on CUDA, the equivalent dense boolean mask elsewhere.
     block_mask_kind: str = "auto"
