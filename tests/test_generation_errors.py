@@ -226,10 +226,10 @@ def test_auto_target_graphs_on_cuda_only_where_the_static_path_fits():
     assert use(model()) and use(model("eager"))
     assert not use(model(device="cpu"))
     assert not use(model("flex_attention")) and not use(model(), sliding=True)
-    # "prefix" takes it where the cost table is flat (whole blocks there), else keeps its verification savings.
-    assert use(model(), SpeculativeConfig(schedule="prefix", sps_table={2: 100.0, 16: 95.0}))
-    assert not use(model(), SpeculativeConfig(schedule="prefix", sps_table={2: 100.0, 16: 20.0}))
-    assert not use(model(), SpeculativeConfig(schedule="threshold"))
+    # "prefix" and "threshold" take it where the cost table is flat, else keep their verification savings.
+    for schedule in ("prefix", "threshold"):
+        assert use(model(), SpeculativeConfig(schedule=schedule, sps_table={2: 100.0, 16: 95.0}))
+        assert not use(model(), SpeculativeConfig(schedule=schedule, sps_table={2: 100.0, 16: 20.0}))
     assert not use(model(), SpeculativeConfig(target_graphs=False))
 
 

@@ -196,14 +196,14 @@ def test_a_flat_cost_table_is_told_from_a_steep_one():
 
 
 @pytest.mark.parametrize("table, static", [({2: 100.0, 16: 95.0}, True), ({2: 100.0, 16: 20.0}, False)])
-def test_auto_takes_the_static_path_for_prefix_only_where_the_cost_is_flat(table, static):
+def test_auto_takes_the_static_path_for_confidence_schedules_only_where_the_cost_is_flat(table, static):
     from hf_dspark.generation.speculative import SpeculativeConfig, _static_suits_schedule
 
     target = make_tiny_target("llama")
-    config = SpeculativeConfig(schedule="prefix", sps_table=table)
-    assert _static_suits_schedule(target, config, rows=2, width=8) is static
+    for schedule in ("prefix", "threshold"):
+        config = SpeculativeConfig(schedule=schedule, sps_table=table)
+        assert _static_suits_schedule(target, config, rows=2, width=8) is static
     assert _static_suits_schedule(target, SpeculativeConfig(schedule="none"), rows=2, width=8)
-    assert not _static_suits_schedule(target, SpeculativeConfig(schedule="threshold"), rows=2, width=8)
 
 
 def test_prefix_on_the_static_path_verifies_whole_blocks():
@@ -226,3 +226,27 @@ def test_prefix_on_the_static_path_verifies_whole_blocks():
         verified[name] = draft.last_generation_stats.verified_tokens
     assert verified["prefix/static"] == verified["none/static"]
     assert verified["prefix/dynamic"] < verified["none/static"]
+
+
+def test_threshold_keeps_its_cut_on_the_static_path_and_stays_greedy_equal():
+    """"auto" now sends "threshold" to the static path where the cost is flat: there it must still verify only
+    the confident prefix (not whole blocks, unlike "prefix") and reproduce the target's greedy output."""
+    target = make_tiny_target("llama")
+    draft = make_draft("dspark", target, seed=2)  # (seed 1's confidences fall below 0.5 at the first slot)
+    with torch.no_grad():  # spread the random confidences so the threshold cuts blocks at varied lengths
+        draft.confidence_head.proj.weight.mul_(40.0)
+    ids, mask = left_padded([[5, 6, 7], [8, 9]])
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    proposed = {}
+    for name, extra in {
+        "none/static": {"dspark_schedule": "none", "dspark_target_graphs": True},
+        "threshold/static": {"dspark_schedule": "threshold", "dspark_target_graphs": True},
+        "threshold/dynamic": {"dspark_schedule": "threshold", "dspark_target_graphs": False},
+    }.items():
+        out = target.generate(ids, **kw, **extra)
+        assert torch.equal(out, expected), name
+        stats = draft.last_generation_stats
+        proposed[name] = stats.acceptance.proposed_total / stats.acceptance.rounds
+    assert 0 < proposed["threshold/static"] < proposed["none/static"]
+    assert proposed["threshold/static"] == pytest.approx(proposed["threshold/dynamic"], rel=0.35)
