@@ -23,8 +23,12 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import hardware  # noqa: E402
 
 from hf_dspark import DSparkConfig, DSparkModel
 from hf_dspark.training.compiled_layers import compiled_draft_layers
@@ -187,6 +191,8 @@ def main(argv=None):
         device_name = platform.processor() or "cpu"
     result = {
         "benchmark": "train_production_shapes",
+        "command": "python " + " ".join(sys.argv),
+        "hardware": hardware(device),
         "smoke": args.smoke,
         "device": device_name,
         "torch": torch.__version__,
