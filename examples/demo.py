@@ -5,12 +5,12 @@
    prompts, several times with different seeds (examples/data/demo_prompts_more.jsonl.gz, `--answer_passes`), or
    the run uses the larger ../shared/data/responses set when this checkout has it. `--data` takes any other
    conversations file;
-2. train: a DSpark draft with `DraftTrainer` for a time budget (`--minutes`: 3 on a CPU with a small draft, 8 on
+2. train: a DSpark draft with `DraftTrainer` for a time budget (`--minutes`: 3 on a CPU with a small draft, 5 on
    CUDA with the tested recipe, DraftTrainingArguments' defaults);
 3. generate: `target.generate(..., assistant_model=draft)` on held-out prompts, greedy, checked token for token
    against the target alone; prints tau, acceptance by position and the speedup over the target alone.
 
-    python examples/demo.py                  # CPU: about 5 minutes on 2 cores; CUDA: about 13 (not yet timed)
+    python examples/demo.py                  # CPU: about 5 minutes on 2 cores; CUDA: 10 on an H200
     python examples/demo.py --minutes 1      # quicker, weaker draft
 """
 
@@ -50,10 +50,10 @@ def parse_args():
         "larger ../shared/data/responses set when present, else the shipped answers plus the target's answers to "
         "examples/data/demo_prompts_more.jsonl.gz, made here first and kept in --output_dir for the next run)",
     )  # fmt: skip
-    p.add_argument("--answer_passes", type=int, default=4,
+    p.add_argument("--answer_passes", type=int, default=2,
                    help="CUDA data: how many times the target answers the extra prompts, one sampling seed each "
                    "(each pass about a minute on an H200; a pass kept from an earlier run is reused)")  # fmt: skip
-    p.add_argument("--minutes", type=float, default=None, help="training time budget (default: 3 on CPU, 8 on CUDA)")
+    p.add_argument("--minutes", type=float, default=None, help="training time budget (default: 3 on CPU, 5 on CUDA)")
     p.add_argument("--train_rows", type=int, default=None, help="use at most this many conversations (default: all)")
     p.add_argument("--eval_prompts", type=int, default=None, help="held-out prompts (default: 3 on CPU, 6 on CUDA)")
     p.add_argument("--max_new_tokens", type=int, default=None, help="default: 48 on CPU, 128 on CUDA")
@@ -88,7 +88,7 @@ def main():
     args = parse_args()
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    minutes = args.minutes if args.minutes is not None else (8.0 if cuda else 3.0)
+    minutes = args.minutes if args.minutes is not None else (5.0 if cuda else 3.0)
     eval_prompts = args.eval_prompts or (6 if cuda else 3)
     max_new_tokens = args.max_new_tokens or (128 if cuda else 48)
     out = Path(args.output_dir)
@@ -257,8 +257,8 @@ def main():
 def answer_more_prompts(target, tokenizer, out: Path, passes: int) -> list[Path]:
     """CUDA, no larger data set in this checkout: the target answers the shipped extra prompts `passes` times, one
     sampling seed per pass (sampled as the shipped answers were), into `out/more_answers_seed{k}.jsonl`. Answers
-    to one prompt differ after a few tokens, so each pass is new text for the draft: at the recipe's speed, eight
-    minutes of training would otherwise repeat one pass dozens of times. Resumable; a rerun reuses every pass."""
+    to one prompt differ after a few tokens, so each pass is new text for the draft: at the recipe's speed (about
+    160 conversations a second on an H200), five minutes of training read two passes six times over, one pass twelve. Resumable; a rerun reuses every pass."""
     total = len(read_prompts(MORE_PROMPTS))
     files = []
     for seed in range(passes):
