@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +86,17 @@ def shared_dir():
 
 # Tiny models on a 2-core machine run much faster single-threaded (pytest -n 2 already uses both cores).
 torch.set_num_threads(1)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str, name: str | None = None):
+    """A script of the repository (benchmarks/*.py, examples/*.py) imported as a module, registered in sys.modules
+    (dataclasses resolve their module there)."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

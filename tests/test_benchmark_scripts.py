@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "generation_speed.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def generation_speed():
-    spec = importlib.util.spec_from_file_location("generation_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/generation_speed.py")
 
 
 def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_path):
@@ -76,9 +68,7 @@ def test_greedy_agreement_reports_divergence(generation_speed):
 
 @pytest.mark.parametrize("extra", [[], ["--compile_target", "--torch_compile"]], ids=["eager", "compiled"])
 def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
-    spec = importlib.util.spec_from_file_location("profile_training", SCRIPT.parent / "profile_training.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/profile_training.py")
     out = tmp_path / "profile.json"
     report = module.main(["--device", "cpu", "--smoke", "--trace_steps", "0", "--output", str(out), *extra])
     assert set(report["phase_ms"]) == set(module.PHASES) and all(v > 0 for v in report["phase_ms"].values())
@@ -91,9 +81,7 @@ def test_regenerate_speed_smoke_times_every_mode(tmp_path):
     from conftest import require_default_target
 
     require_default_target()  # the smoke run borrows the default target's tokenizer (chat template)
-    spec = importlib.util.spec_from_file_location("regenerate_speed", SCRIPT.parent / "regenerate_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/regenerate_speed.py")
     out = tmp_path / "regen.json"
     report = module.main(["--smoke", "--temperature", "0", "--json", str(out)])
     assert json.loads(out.read_text())["results"].keys() == {"grouped", "plain", "continuous"}

@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from conftest import make_tiny_target, require_default_target
+from conftest import load_script, make_tiny_target, require_default_target
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_demo():
-    spec = importlib.util.spec_from_file_location("demo", ROOT / "examples" / "demo.py")
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
-    return demo
+    return load_script("examples/demo.py")
 
 
 def test_cpu_run_trains_decodes_losslessly_and_writes_its_results(tmp_path):

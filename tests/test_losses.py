@@ -369,14 +369,11 @@ def test_loss_is_normalized_globally_across_two_gloo_ranks():
 @pytest.mark.parametrize("extra", [[], ["--compile_draft_layers"]], ids=["eager-layers", "compiled-layers"])
 def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path, extra):
     """benchmarks/train_production_shapes.py --smoke: the GPU benchmark's code path, on CPU with tiny shapes."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_production_shapes.py"
-    spec = importlib.util.spec_from_file_location("train_production_shapes", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from conftest import load_script
+
+    bench = load_script("benchmarks/train_production_shapes.py")
     out = tmp_path / "result.json"
     result = bench.main(["--device", "cpu", "--smoke", "--steps", "2", "--warmup", "1", "--output", str(out), *extra])
     assert json.loads(out.read_text())["step_ms_median"] == result["step_ms_median"] > 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import require_default_target, tiny_target_config
+from conftest import load_script, require_default_target, tiny_target_config
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_dspark import DSparkModel, Eagle3Model
@@ -224,11 +224,7 @@ def test_resume_true_means_the_newest_checkpoint_and_fails_clearly_without_one(t
 def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
     """The reported seconds a step come from the intervals between training logs, each started after its step's
     evaluation; the first log's time (compilation included) is reported apart."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
-    ablations = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablations)
+    ablations = load_script("benchmarks/ablations.py")
     history = [{"loss": 3.0, "step": 100, "elapsed_s": 60.0}, {"eval_tau_prob": 1.2, "step": 100, "elapsed_s": 70.0},
                {"loss": 2.5, "step": 200, "elapsed_s": 80.0}, {"eval_tau_prob": 1.3, "step": 200, "elapsed_s": 90.0},
                {"loss": 2.4, "step": 300, "elapsed_s": 102.0}]  # fmt: skip
@@ -242,11 +238,7 @@ def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
 
 def test_ablations_curve_merges_the_named_held_out_sets_of_a_step(tmp_path):
     """--eval_file NAME=FILE: transformers logs each held-out set apart at the same step; a curve point holds all."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
-    ablations = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablations)
+    ablations = load_script("benchmarks/ablations.py")
     history = [{"loss": 3.0, "step": 100, "elapsed_s": 60.0},
                {"eval_greedy_loss": 2.0, "eval_greedy_tau_prob": 1.5, "eval_greedy_tau_greedy": 1.7,
                 "eval_greedy_loss_ce": 2.5, "step": 100, "elapsed_s": 61.0},
@@ -262,11 +254,7 @@ def test_ablations_curve_merges_the_named_held_out_sets_of_a_step(tmp_path):
 def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_path):
     """benchmarks/ablations.py --smoke: each variant is its own train_dspark.py run; the report holds every run's
     held-out τ by step and by training time and each draft's decoding τ (--eval_data); the plot is written."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ablations", REPO / "benchmarks" / "ablations.py")
-    ablations = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablations)
+    ablations = load_script("benchmarks/ablations.py")
     out = tmp_path / "abl"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"What is {i} plus {i}?"]}) + "\n" for i in range(3)))
