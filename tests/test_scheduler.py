@@ -206,24 +206,28 @@ def test_auto_takes_the_static_path_for_confidence_schedules_only_where_the_cost
     assert _static_suits_schedule(target, SpeculativeConfig(schedule="none"), rows=2, width=8)
 
 
+def _greedy_stats_by_path(target, draft, schedule, max_new_tokens, **kw):
+    """{"none/static", f"{schedule}/static", f"{schedule}/dynamic"}: each call's stats, its output checked equal to
+    the target's own greedy output."""
+    ids, mask = left_padded([[5, 6, 7], [8, 9]])
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False)
+    stats = {}
+    for name, sched, static in [("none/static", "none", True), (f"{schedule}/static", schedule, True),
+                                (f"{schedule}/dynamic", schedule, False)]:  # fmt: skip
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              assistant_model=draft, dspark_schedule=sched, dspark_target_graphs=static, **kw)
+        assert torch.equal(out, expected), name
+        stats[name] = draft.last_generation_stats
+    return stats
+
+
 def test_prefix_on_the_static_path_verifies_whole_blocks():
     """The static verify forward costs the same for any prefix: "prefix" there verifies what "none" does (same
     output, same verified tokens), while on the dynamic cache a steep table makes it verify less."""
     target = make_tiny_target("llama")
-    draft = make_draft("dspark", target)
-    ids, mask = left_padded([[5, 6, 7], [8, 9]])
     steep = {1: 100.0, 2: 50.0, 64: 100.0 / 32}
-    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=draft, dspark_sps_table=steep)
-    expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
-    verified = {}
-    for name, extra in {
-        "none/static": {"dspark_schedule": "none", "dspark_target_graphs": True},
-        "prefix/static": {"dspark_schedule": "prefix", "dspark_target_graphs": True},
-        "prefix/dynamic": {"dspark_schedule": "prefix", "dspark_target_graphs": False},
-    }.items():
-        out = target.generate(ids, **kw, **extra)
-        assert torch.equal(out, expected), name
-        verified[name] = draft.last_generation_stats.verified_tokens
+    stats = _greedy_stats_by_path(target, make_draft("dspark", target), "prefix", 12, dspark_sps_table=steep)
+    verified = {name: s.verified_tokens for name, s in stats.items()}
     assert verified["prefix/static"] == verified["none/static"]
     assert verified["prefix/dynamic"] < verified["none/static"]
 
@@ -235,18 +239,7 @@ def test_threshold_keeps_its_cut_on_the_static_path_and_stays_greedy_equal():
     draft = make_draft("dspark", target, seed=2)  # (seed 1's confidences fall below 0.5 at the first slot)
     with torch.no_grad():  # spread the random confidences so the threshold cuts blocks at varied lengths
         draft.confidence_head.proj.weight.mul_(40.0)
-    ids, mask = left_padded([[5, 6, 7], [8, 9]])
-    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, assistant_model=draft)
-    expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    proposed = {}
-    for name, extra in {
-        "none/static": {"dspark_schedule": "none", "dspark_target_graphs": True},
-        "threshold/static": {"dspark_schedule": "threshold", "dspark_target_graphs": True},
-        "threshold/dynamic": {"dspark_schedule": "threshold", "dspark_target_graphs": False},
-    }.items():
-        out = target.generate(ids, **kw, **extra)
-        assert torch.equal(out, expected), name
-        stats = draft.last_generation_stats
-        proposed[name] = stats.acceptance.proposed_total / stats.acceptance.rounds
+    stats = _greedy_stats_by_path(target, draft, "threshold", 16)
+    proposed = {name: s.acceptance.proposed_total / s.acceptance.rounds for name, s in stats.items()}
     assert 0 < proposed["threshold/static"] < proposed["none/static"]
     assert proposed["threshold/static"] == pytest.approx(proposed["threshold/dynamic"], rel=0.35)
