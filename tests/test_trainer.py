@@ -610,6 +610,7 @@ def test_compiled_target_layers_train_like_eager_and_leave_the_target_untouched(
     losses = {}
     for compiled in (False, True):
         counters.clear()
+        torch._dynamo.reset()  # an earlier test in this process may have compiled the same code objects
         target = make_tiny_target("llama")
         trainer = DraftTrainer(args=make_args(tmp_path, compile_target=compiled), train_dataset=tokenized_rows(),
                                target_model=target)  # fmt: skip
@@ -640,6 +641,9 @@ def test_compiled_draft_layers_train_like_eager_and_are_swapped_back(tmp_path, a
     runs = {}
     for compiled in (False, True):
         counters.clear()
+        # The counts below are this run's: an earlier test in this process (pytest-xdist) may have compiled the same
+        # layer code objects, whose cached graphs would then recompile here for new layer objects.
+        torch._dynamo.reset()
         target = make_tiny_target("llama")
         args = make_args(tmp_path, algorithm=algorithm, num_hidden_layers=2 if algorithm != "eagle3" else 1,
                          num_anchors=None if algorithm == "eagle3" else 8, compile_target=False,
@@ -656,7 +660,7 @@ def test_compiled_draft_layers_train_like_eager_and_are_swapped_back(tmp_path, a
         assert bool(layer_frames) == compiled, report["frames"]
         # Three steps of one padded length: compiled once per method, the layer forward once more for the first
         # layer (its input, the frozen embeddings' output, needs no gradient) and never again per step.
-        assert all(f["count"] <= 2 and all("requires_grad" in r for r in f["reasons"]) for f in layer_frames)
+        assert all(f["count"] <= 2 and all("requires_grad" in r for r in f["reasons"]) for f in layer_frames), layer_frames
     assert trainer._compiled_draft_layers is not None and counters["frames"]["ok"] >= len(methods)
     (eager_losses, eager_state), (compiled_losses, compiled_state) = runs[False], runs[True]
     assert [s for s, _ in compiled_losses] == [s for s, _ in eager_losses]
