@@ -258,7 +258,8 @@ def answer_more_prompts(target, tokenizer, out: Path, passes: int) -> list[Path]
     """CUDA, no larger data set in this checkout: the target answers the shipped extra prompts `passes` times, one
     sampling seed per pass (sampled as the shipped answers were), into `out/more_answers_seed{k}.jsonl`. Answers
     to one prompt differ after a few tokens, so each pass is new text for the draft: at the recipe's speed (about
-    160 conversations a second on an H200), five minutes of training read two passes six times over, one pass twelve. Resumable; a rerun reuses every pass."""
+    160 conversations a second on an H200), five minutes of training read two passes six times over, one pass
+    twelve times. Resumable; a rerun reuses every pass."""
     total = len(read_prompts(MORE_PROMPTS))
     files = []
     for seed in range(passes):

@@ -146,8 +146,8 @@ class SpeculativeConfig:
         target_graphs (`bool` or "auto", field `dspark_target_graphs`, defaults to "auto"): verify over a
             fixed-capacity cache with the target's verify forward replayed as a CUDA graph (`target_graphs.py`).
             "auto": on CUDA for targets with sdpa/eager attention and no sliding-window layers, with schedule
-            "none", or "prefix" / "threshold" where the SPS table is flat (`verify_cost_is_flat`: a whole block per row costs
-            about one token per row); the path returns no cache in `return_dict_in_generate` outputs. True (or
+            "none", or "prefix" / "threshold" where the SPS table is flat (`verify_cost_is_flat`: a whole block per
+            row costs about one token per row); the path returns no cache in `return_dict_in_generate` outputs. True (or
             generate()'s `cache_implementation="static"`): always, eagerly on CPU, an error where unsupported;
             False: the dynamic cache. On this path "prefix" verifies whole blocks (its cost does not depend on
             the prefix); "threshold" keeps its cut.
