@@ -91,11 +91,11 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_script(relative: str, name: str | None = None):
+def load_script(relative: str):
     """A script of the repository (benchmarks/*.py, examples/*.py) imported as a module, registered in sys.modules
     (dataclasses resolve their module there)."""
     path = REPO / relative
-    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

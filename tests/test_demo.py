@@ -7,11 +7,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import load_script, make_tiny_target, require_default_target
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO, load_script, make_tiny_target, require_default_target
 
 
 def load_demo():
@@ -24,7 +21,7 @@ def test_cpu_run_trains_decodes_losslessly_and_writes_its_results(tmp_path):
     require_default_target()
     out = tmp_path / "demo"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "demo.py"), "--minutes", "0.1", "--eval_prompts", "1",
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--minutes", "0.1", "--eval_prompts", "1",
          "--max_new_tokens", "8", "--output_dir", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip

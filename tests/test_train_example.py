@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script, require_default_target, tiny_target_config
+from conftest import REPO, load_script, require_default_target, tiny_target_config
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from hf_dspark import DSparkModel, Eagle3Model
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_dspark.py"
 
 

@@ -268,11 +268,13 @@ def _static_suits_schedule(model, config: SpeculativeConfig, rows: int, width: i
     cache could: at batch 1 on an H200 the dynamic cache made a SmolLM2 round 20x slower)."""
     if config.schedule == "none":
         return True
-    return verify_cost_is_flat(_prefix_cost_table(model, config, rows), rows, width)
+    return verify_cost_is_flat(_sps_cost_table(model, config, rows), rows, width)
 
 
-def _prefix_cost_table(model, config: SpeculativeConfig, rows: int) -> SPSTable:
-    """The prefix scheduler's SPS table: the one given, else the target's profiled one for `rows` rows (cached)."""
+def _sps_cost_table(model, config: SpeculativeConfig, rows: int) -> SPSTable:
+    """The SPS table of the confidence schedules (the prefix scheduler's costs; where it is flat, "auto" verifies
+    "prefix" and "threshold" on the static path): the one given, else the target's profiled one for `rows` rows
+    (cached)."""
     if config.sps_table is not None:
         return SPSTable.from_any(config.sps_table)
     return load_or_profile_sps(model, batch_size=rows)
@@ -783,7 +785,7 @@ class _Decoder:
             return threshold_schedule(conf, float(self.config.threshold), caps)
         if self.sps_table is None:
             # Keyed by the batch this run started with (rows leave as they finish; profile once per shape).
-            self.sps_table = _prefix_cost_table(self.model, self.config, self.run_rows)
+            self.sps_table = _sps_cost_table(self.model, self.config, self.run_rows)
         return prefix_schedule(conf, self.sps_table, max_lengths=caps)
 
     def _round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner=None, local_t=None,
