@@ -194,6 +194,35 @@ def test_regenerate_command_line(tmp_path, target, tokenizer):
     assert [len(r["messages"]) for r in rows] == [2, 4, 2]
 
 
+def test_a_row_range_and_a_length_limit_answer_part_of_a_prompt_file(tmp_path, target, tokenizer):
+    """--rows counts the file's rows before the length filter; ids stay the file's, so the part resumes alone."""
+    from hf_dspark.cli import main
+
+    target.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)  # "d" is the one prompt longer than 20 characters
+    argv = ["regenerate", "--target", str(tmp_path / "tiny"), "--prompts", str(prompts), "--output",
+            str(tmp_path / "out.jsonl"), "--max-new-tokens", "2", "--rows", "2:5", "--max_prompt_chars", "20"]
+    assert main(argv) == 0
+    assert [r["id"] for r in read_rows(tmp_path / "out.jsonl")] == ["c", "e"]
+    assert main(argv[:-4] + ["--rows", "1:"]) == 0  # a wider part answers only what is missing
+    assert [r["id"] for r in read_rows(tmp_path / "out.jsonl")] == ["c", "e", "b", "d"]
+
+
+@pytest.mark.parametrize(("rows", "max_chars", "message"), [
+    ("5", None, "START:END"), ("a:3", None, "START:END"), ("-2:", None, "no negative"),
+    ("9:", None, "no prompt left"), (None, 0, "max_prompt_chars must be >= 1"),
+])  # fmt: skip
+def test_a_bad_prompt_selection_names_the_fix(tmp_path, target, tokenizer, rows, max_chars, message):
+    from hf_dspark.data.prompts import parse_rows
+
+    prompts = write_prompts(tmp_path / "p.jsonl", PROMPTS)
+    with pytest.raises(ValueError, match=message):
+        regenerate_responses(target, tokenizer, prompts, tmp_path / "out.jsonl", progress=False,
+                             rows=parse_rows(rows) if rows else None, max_prompt_chars=max_chars)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_a_complete_last_row_missing_its_newline_is_kept(tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a", "messages": []}\n{"id": "b", "messages": []}')

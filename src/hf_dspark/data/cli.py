@@ -31,6 +31,10 @@ class RegenerateArguments:
     engine: str = field("generate", help="generate: fixed batches through generate(); continuous: transformers' "
                         "continuous batching (finished rows refilled at once; first turns)",
                         choices=("generate", "continuous"))  # fmt: skip
+    rows: str | None = field(None, help="answer only these rows of the prompt file, START:END counted from 0 "
+                             "before any filter (e.g. 19456:27861)")  # fmt: skip
+    max_prompt_chars: int | None = field(None, help="skip prompts with a turn longer than this many characters "
+                                         "(long prompts lengthen every row's cache in a batch)")  # fmt: skip
 
 
 @dataclass
@@ -90,6 +94,7 @@ def _load_target(args):
     return load_target(args.target, device=args.device or distributed_state().device, dtype=args.target_dtype)
 
 def run_regenerate(args) -> int:
+    from .prompts import parse_rows
     from .regenerate import regenerate_responses
 
     target, tokenizer = _load_target(args)
@@ -108,6 +113,8 @@ def run_regenerate(args) -> int:
         static_cache={"auto": None, "true": True, "false": False}[args.static_cache],
         grouped_attention=args.grouped_attention,
         engine=args.engine,
+        rows=parse_rows(args.rows) if args.rows else None,
+        max_prompt_chars=args.max_prompt_chars,
     )
     print(f"conversations written to {out}")
     return 0

@@ -62,6 +62,45 @@ def read_prompts(prompts: str | Path | Iterable[dict]) -> list[Prompt]:
     return out
 
 
+def select_prompts(
+    prompts: list[Prompt], rows: slice | None = None, max_prompt_chars: int | None = None
+) -> list[Prompt]:
+    """The prompts of the file rows `rows` (a slice of the file's prompt rows, counted before any filter), then
+    only those whose turns are each at most `max_prompt_chars` characters long. Ids stay the file's, so a run on a
+    selection resumes like one on the whole file."""
+    if max_prompt_chars is not None and max_prompt_chars < 1:
+        raise ValueError(f"max_prompt_chars must be >= 1, got {max_prompt_chars}")
+    if rows is not None and rows.step not in (None, 1):
+        raise ValueError(f"rows must be a contiguous range START:END, got a step of {rows.step}")
+    chosen = prompts[rows] if rows is not None else prompts
+    if max_prompt_chars is not None:
+        chosen = [p for p in chosen if all(len(t) <= max_prompt_chars for t in p.turns)]
+    if not chosen:
+        raise ValueError(f"no prompt left after the selection (rows {_slice_text(rows)}, max_prompt_chars "
+                         f"{max_prompt_chars}) of {len(prompts)} prompts: widen it")  # fmt: skip
+    return chosen
+
+
+def parse_rows(text: str) -> slice:
+    """"START:END" (either end may be left out, as in Python) -> slice; the CLI's `--rows`."""
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        bounds = [int(x) if x.strip() else None for x in (start, end)]
+    except ValueError:
+        raise ValueError(f"rows must look like START:END (e.g. 19456:27861 or 1000:), got {text!r}") from None
+    if any(b is not None and b < 0 for b in bounds):
+        raise ValueError(f"rows counts from the file's first row (0): no negative bounds, got {text!r}")
+    return slice(*bounds)
+
+
+def _slice_text(rows: slice | None) -> str:
+    if rows is None:
+        return "all"
+    return f"{'' if rows.start is None else rows.start}:{'' if rows.stop is None else rows.stop}"
+
+
 def first_turns(path, limit: int | None = None) -> list[str]:
     """The first turn of the first `limit` rows (all when None) of a `{"turns": [...]}` JSONL(.gz) prompt file."""
     if limit is not None and limit < 1:

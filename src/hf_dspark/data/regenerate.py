@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 
 from ..grouped_sdpa import grouped_sdpa
 from ..target import static_cache_length
-from .prompts import Prompt, eos_token_ids, new_token_lengths, read_prompts
+from .prompts import Prompt, eos_token_ids, new_token_lengths, read_prompts, select_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ def regenerate_responses(
     static_cache: bool | None = None,
     grouped_attention: bool = True,
     engine: str = "generate",
+    rows: slice | None = None,
+    max_prompt_chars: int | None = None,
 ) -> Path:
     """Answer each prompt with `target.generate` and append the conversations to `output_file` (JSONL).
 
@@ -90,7 +92,9 @@ def regenerate_responses(
     `temperature=0` decodes greedily. Only the first turn is answered unless `all_turns=True`, which answers
     every turn in order, each seeing the previous answers. `finish` is "length" when any answer hit
     `max_new_tokens`; `prompt_tokens` / `completion_tokens` sum over the answered turns (completion tokens
-    count the end-of-turn token). Re-running with the same `output_file` resumes where it stopped.
+    count the end-of-turn token). Re-running with the same `output_file` resumes where it stopped. `rows` (a slice
+    of the prompt file's rows) and `max_prompt_chars` (every turn at most this long) answer a part of a large prompt
+    file (`select_prompts`).
 
     `static_cache` (default: on CUDA, first turns only) decodes on transformers' static cache, whose one-token step
     generate() compiles and replays as a CUDA graph: several times faster than the eager loop for a small target.
@@ -123,7 +127,7 @@ def regenerate_responses(
                          "static_cache, or use engine='generate'")  # fmt: skip
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template: set `tokenizer.chat_template` to the target's template")
-    all_prompts = read_prompts(prompts)
+    all_prompts = select_prompts(read_prompts(prompts), rows, max_prompt_chars)
     output_file.parent.mkdir(parents=True, exist_ok=True)
     done = finished_ids(output_file)
     order = {p.id: i for i, p in enumerate(all_prompts)}
