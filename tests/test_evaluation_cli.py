@@ -186,3 +186,27 @@ def test_drafts_warm_up_on_the_longest_batch_so_timed_calls_keep_their_static_bu
     evaluate_drafts(target, tokenizer, {"dspark": draft}, [short, long_], max_new_tokens=8, batch_size=1,
                     progress=False, plots=False, generate_kwargs={"dspark_target_graphs": True})  # fmt: skip
     assert len(built) == 1  # the warm-up's: every timed call of both datasets reused it
+
+
+def test_drafts_warm_up_again_at_each_temperature(workdir, tmp_path, monkeypatch):
+    """A sampled round is another graph than a greedy one: each temperature's first timed call must not build it."""
+    from hf_dspark import evaluate_drafts
+    from hf_dspark.evaluation import runner
+    from hf_dspark.resources import load_target
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Hi."]}) + "\n")
+    target, tokenizer = load_target(workdir / "target")
+    draft = DSparkModel.from_pretrained(workdir / "dspark")
+    draft_calls = []  # do_sample of every generate() call with the draft
+    generate = runner._generate
+
+    def recording(target, inputs, config, eos_ids, draft=None, *args, **kwargs):
+        if draft is not None:
+            draft_calls.append(config.do_sample)
+        return generate(target, inputs, config, eos_ids, draft, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_generate", recording)
+    evaluate_drafts(target, tokenizer, {"dspark": draft}, [prompts], max_new_tokens=4, batch_size=1,
+                    temperature=[0, 1], progress=False, plots=False, teacher_forced=False)  # fmt: skip
+    assert draft_calls == [False, False, True, True]  # per temperature: the warm-up, then the timed prompt
