@@ -131,13 +131,16 @@ def log_history(folder: Path) -> list[dict]:
     return json.loads(state.read_text()).get("log_history", []) if state.exists() else []
 
 
+HELD_OUT_METRICS = ("tau_prob", "tau_greedy", "tau_walk_prob", "tau_walk_greedy", "_loss")
+
+
 def curve(folder: Path) -> list[dict]:
-    """Held-out τ by step from the run's log: eval_tau_prob / eval_tau_greedy / eval_loss, or eval_NAME_* for each
-    named held-out set (--eval_file NAME=FILE; transformers logs each set apart), merged per step."""
+    """Held-out τ by step from the run's log: eval_tau_prob / eval_tau_greedy (and their decoding walks,
+    eval_tau_walk_*) / eval_loss, or eval_NAME_* for each named held-out set (--eval_file NAME=FILE; transformers
+    logs each set apart), merged per step."""
     points: dict[int, dict] = {}
     for h in log_history(folder):
-        found = {k: v for k, v in h.items()
-                 if k.startswith("eval_") and k.endswith(("tau_prob", "tau_greedy", "_loss"))}  # fmt: skip
+        found = {k: v for k, v in h.items() if k.startswith("eval_") and k.endswith(HELD_OUT_METRICS)}
         if any(k.endswith("tau_prob") for k in found):
             point = points.setdefault(h["step"], {"step": h["step"]})
             point.update(found)

@@ -134,7 +134,10 @@ def test_eval_end_to_end(workdir, capsys):
     for (drafter, temp), row in rows.items():
         forced = row["teacher_forced"]
         assert forced["sequences"] <= 2 and 1.0 <= forced["tau_greedy"] <= row["block_size"] + 1, (drafter, temp)
+        # ... and walked as decoding runs rounds (every answer position has a block at this length).
+        assert 1.0 <= forced["tau_walk_greedy"] <= row["block_size"] + 1, (drafter, temp)
     assert "| dspark, teacher-forced on the target's answers |" in markdown
+    assert "| dspark, the same walked as decoding |" in markdown
 
 
 def test_eval_static_baseline(workdir, capsys):

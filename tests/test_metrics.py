@@ -11,6 +11,7 @@ from hf_dspark.metrics import (
     expected_calibration_error,
     fit_sts_temperatures,
     slot_calibration_data,
+    decoding_walk_estimates,
     training_acceptance_estimates,
     wilson_interval,
 )
@@ -48,6 +49,85 @@ def test_training_estimates():
     assert est["blocks"] == 2
     assert est["tau_prob_sum"].item() == pytest.approx((1 + 0.5 + 0.25 + 0.25) + (1 + 1 + 1))
     assert est["tau_greedy_sum"].item() == pytest.approx((1 + 1) + (1 + 2))
+
+
+def walk_blocks(loss_mask: list[int], easy: set[int], k: int, rate: float = 1.0):
+    """Blocks anchored at every candidate of one row: slot j of the block at p predicts token p + j + 1, matched
+    greedily where that token is in `easy`; accept rate `rate` there, 0.2 elsewhere."""
+    from hf_dspark.models.anchors import anchor_candidates
+
+    lm = torch.tensor([loss_mask])
+    cand = anchor_candidates(lm)
+    positions = cand[0].nonzero().flatten()
+    seq = len(loss_mask)
+    target = positions[:, None] + torch.arange(1, k + 1)  # [N, K] token each slot predicts
+    inside = target < seq
+    mask = inside & lm[0][target.clamp(max=seq - 1)].bool()
+    match = torch.tensor([[int(t) in easy for t in row] for row in target]) & mask
+    rate_t = torch.where(match, torch.tensor(rate), torch.tensor(0.2))
+    valid = torch.ones_like(positions[None], dtype=torch.bool)
+    return rate_t[None], match[None], mask[None], positions[None], valid, cand
+
+
+def simulated_greedy_rounds(loss_mask, easy, k) -> tuple[int, int]:
+    """Decoding by hand: from the first candidate, commit the leading easy supervised tokens + 1, until the answer
+    is passed. (tokens predicted by blocks, rounds)."""
+    cand = [p for p in range(len(loss_mask) - 1) if loss_mask[p] and loss_mask[p + 1]]
+    supervised = {i for i, m in enumerate(loss_mask) if m}
+    p, rounds = cand[0], 0
+    while p in cand:
+        accepted = 0
+        while accepted < k and p + accepted + 1 in easy & supervised:
+            accepted += 1
+        p, rounds = p + accepted + 1, rounds + 1
+    return len(cand), rounds
+
+
+def test_decoding_walk_counts_the_rounds_decoding_would_run():
+    """Easy tokens in one stretch: the all-anchor mean counts every position of the stretch, decoding crosses it
+    in a few rounds (the inspection paradox that made held-out τ overstate decoded τ)."""
+    loss_mask = [0] * 3 + [1] * 26 + [0] * 3  # prompt, a 26-token answer, padding
+    easy = set(range(4, 16))  # the first half of the answer is a loop the draft always gets right
+    blocks = walk_blocks(loss_mask, easy, k=3)
+    walk = decoding_walk_estimates(*blocks)
+    tokens, rounds = simulated_greedy_rounds(loss_mask, easy, k=3)
+    assert (walk["walk_tokens"], walk["walk_rounds_greedy"]) == (tokens, rounds) == (25, 16)
+    all_anchor = training_acceptance_estimates(*blocks[:3])
+    assert all_anchor["tau_greedy_sum"] / all_anchor["blocks"] == pytest.approx(2.32)  # (10*4 + 3 + 2 + 13*1) / 25
+    assert walk["walk_tokens"] / walk["walk_rounds_greedy"] == pytest.approx(25 / 16)  # 1.56: what decoding sees
+    # Every token easy: each round commits K + 1 = 4 (the last one runs past the answer's end).
+    every = decoding_walk_estimates(*walk_blocks(loss_mask, set(range(32)), k=3))
+    assert every["walk_rounds_greedy"] == 7 and every["walk_rounds_prob"] == pytest.approx(7)
+    assert (every["walk_rows"], every["walk_rows_skipped"]) == (1, 0)
+
+
+def test_decoding_walk_expected_rounds_match_simulated_sampling():
+    """The sampled walk's expected rounds (a backward recursion) against Monte Carlo decoding of the same blocks."""
+    torch.manual_seed(0)
+    loss_mask = [0] * 2 + [1] * 40 + [0] * 2
+    rate, match, mask, positions, valid, cand = walk_blocks(loss_mask, set(range(10, 30)), k=4)
+    rate = torch.rand(rate.shape) * mask  # any acceptance rates in [0, 1)
+    walk = decoding_walk_estimates(rate, match, mask, positions, valid, cand)
+    rng = np.random.default_rng(0)
+    anchor_of = {int(p): n for n, p in enumerate(positions[0])}
+    samples = []
+    for _ in range(20000):
+        p, rounds = int(positions[0, 0]), 0
+        while p in anchor_of:
+            n, accepted = anchor_of[p], 0
+            while accepted < 4 and mask[0, n, accepted] and rng.random() < rate[0, n, accepted]:
+                accepted += 1
+            p, rounds = p + accepted + 1, rounds + 1
+        samples.append(rounds)
+    assert walk["walk_rounds_prob"] == pytest.approx(np.mean(samples), abs=4 * np.std(samples) / np.sqrt(20000))
+
+
+def test_decoding_walk_skips_rows_whose_anchors_do_not_cover_the_answer():
+    rate, match, mask, positions, valid, cand = walk_blocks([0, 1, 1, 1, 1, 1, 1, 0], set(), k=2)
+    valid = valid.clone()
+    valid[0, 2] = False  # one candidate without a block: this row cannot be walked
+    walk = decoding_walk_estimates(rate, match, mask, positions, valid, cand)
+    assert (walk["walk_rows"], walk["walk_rows_skipped"], walk["walk_tokens"]) == (0, 1, 0)
 
 
 def test_calibration_metrics():

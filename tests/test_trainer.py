@@ -697,3 +697,23 @@ def test_compiled_draft_layers_failure_falls_back_and_sharding_or_checkpointing_
         )  # fmt: skip
     assert checkpointed._compiled_draft_layers is None
     assert any("compile_draft_layers is ignored with gradient checkpointing" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_evaluation_walks_the_held_out_text_as_decoding_would(tmp_path, algorithm):
+    """Held-out τ is also reported as decoding would see it (`metrics.decoding_walk_estimates`), for rows whose
+    anchors cover every answer position; rows with too few anchors are counted, not walked."""
+    rows = tokenized_rows(4, seed=1)
+    anchors = None if algorithm == "eagle3" else 64  # more than any row's answer positions
+    trainer = DraftTrainer(args=make_args(tmp_path, algorithm=algorithm, num_anchors=anchors), eval_dataset=rows,
+                           target_model=make_tiny_target("llama"))  # fmt: skip
+    metrics = trainer.evaluate()
+    slots = len([k for k in metrics if k.startswith("eval_accept@")])
+    for key in ("eval_tau_walk_greedy", "eval_tau_walk_prob"):
+        assert 1.0 <= metrics[key] <= slots + 1, key
+    assert "eval_walk_rows_skipped" not in metrics
+    if algorithm == "eagle3":
+        return
+    trainer.args.num_anchors = trainer.model.config.num_anchors = 8  # fewer than every row's answer positions
+    metrics = trainer.evaluate()
+    assert metrics["eval_walk_rows_skipped"] == 4 and "eval_tau_walk_greedy" not in metrics

@@ -176,6 +176,72 @@ def training_acceptance_estimates(
     }
 
 
+def decoding_walk_estimates(
+    accept_rate: torch.Tensor,
+    greedy_match: torch.Tensor,
+    eval_mask: torch.Tensor,
+    anchor_positions: torch.Tensor,
+    anchor_valid: torch.Tensor,
+    candidates: torch.Tensor,
+) -> dict[str, float]:
+    """τ that decoding the same text would see, from teacher-forced blocks at every position (evaluation only).
+
+    `training_acceptance_estimates` averages τ over all anchors alike. Decoding does not: a round starts where the
+    previous one ended, so rounds start more often where the draft fails (right after a rejection) and skip the
+    middle of easy stretches (loops, boilerplate), which the all-anchor mean counts at every position. Where easy
+    and hard positions cluster that mean overstates decoding τ (an inspection paradox). Here each row is walked
+    as decoding would: greedy, from each segment's first anchor, jump by the block's committed tokens (accepted +
+    1); sampled, the expected number of rounds by R(p) = 1 + sum_m P_p(m) R(p + m), P_p(m) the chance that the
+    block at p commits m tokens (from the survival products of accept_rate). τ = supervised tokens / rounds.
+
+    accept_rate, greedy_match, eval_mask [B, N, K]: per block and slot (as for `training_acceptance_estimates`);
+    anchor_positions, anchor_valid [B, N]: the blocks' anchors (sorted by position); candidates [B, T]: where an
+    anchor may sit (`anchors.anchor_candidates`). Only rows with an anchor at every candidate can be walked;
+    others are left out (`walk_rows_skipped`). Returns sums (add over batches and ranks, then divide):
+    walk_tokens, walk_rounds_greedy, walk_rounds_prob, walk_rows, walk_rows_skipped. Copies to the host.
+    """
+    valid = anchor_valid.bool()
+    mask = eval_mask.float() * valid[..., None]
+    survive_prob = torch.cumprod(accept_rate.float() * mask, dim=-1).cpu().numpy()  # [B, N, K]
+    greedy_len = torch.cumprod(greedy_match.float() * mask, dim=-1).sum(-1).cpu().numpy()  # accepted slots
+    positions, valid, cand = anchor_positions.cpu().numpy(), valid.cpu().numpy(), candidates.bool().cpu().numpy()
+    rows, seq = cand.shape
+    k = survive_prob.shape[-1]
+    walkable = (cand.sum(1) == valid.sum(1)) & (cand.sum(1) > 0)
+    # Per position: P(commit m tokens), m = 1..K+1, and the greedy commit; zero where no anchor sits.
+    commit_prob = np.zeros((rows, seq, k + 1))
+    commit_greedy = np.zeros((rows, seq), dtype=np.int64)
+    r_idx, n_idx = np.nonzero(valid & walkable[:, None])
+    p_idx = positions[r_idx, n_idx]
+    s = survive_prob[r_idx, n_idx]  # [M, K]
+    before = np.concatenate([np.ones((len(s), 1)), s], axis=1)  # S_0..S_K
+    after = np.concatenate([s, np.zeros((len(s), 1))], axis=1)  # S_1..S_{K+1} = 0
+    commit_prob[r_idx, p_idx] = before - after
+    commit_greedy[r_idx, p_idx] = greedy_len[r_idx, n_idx].astype(np.int64) + 1
+    # Backward over positions: rounds needed from p to the end of its segment (0 past a segment's end).
+    pad = k + 1
+    rounds_prob = np.zeros((rows, seq + pad))
+    rounds_greedy = np.zeros((rows, seq + pad))
+    steps = np.arange(1, k + 2)
+    for p in range(seq - 1, -1, -1):
+        here = cand[:, p] & walkable
+        if not here.any():
+            continue
+        nxt_prob = rounds_prob[:, p + steps]  # [B, K+1]
+        rounds_prob[:, p] = np.where(here, 1 + (commit_prob[:, p] * nxt_prob).sum(1), 0.0)
+        nxt_greedy = rounds_greedy[np.arange(rows), p + commit_greedy[:, p]]
+        rounds_greedy[:, p] = np.where(here, 1 + nxt_greedy, 0.0)
+    # Rounds are counted from each segment's first candidate (decoding enters a segment there).
+    starts = cand & walkable[:, None] & ~np.concatenate([np.zeros((rows, 1), dtype=bool), cand[:, :-1]], axis=1)
+    return {
+        "walk_tokens": float(cand[walkable].sum()),
+        "walk_rounds_greedy": float(rounds_greedy[:, :seq][starts].sum()),
+        "walk_rounds_prob": float(rounds_prob[:, :seq][starts].sum()),
+        "walk_rows": float(walkable.sum()),
+        "walk_rows_skipped": float((~walkable & (cand.sum(1) > 0)).sum()),
+    }
+
+
 # -- calibration ----------------------------------------------------------------------------------------------
 
 

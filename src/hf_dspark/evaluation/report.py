@@ -75,8 +75,11 @@ def results_markdown(results) -> str:
     if any(r.get("teacher_forced") for r in rows):
         out.append(
             "- teacher-forced rows: tau as training estimates it on the target-alone answers to the same prompts "
-            "(tau_greedy at T = 0; otherwise tau_prob, which assumes sampling at T = 1 without top-k/top-p); close "
-            "to the decoded tau, the decoding path delivers what the draft predicts"
+            "(tau_greedy at T = 0; otherwise tau_prob, which assumes sampling at T = 1 without top-k/top-p), "
+            "averaged over blocks at every position; 'walked as decoding': the same blocks, rounds counted as "
+            "decoding runs them (each starts where the previous one ended, so easy stretches count once, not at "
+            "every position). The walked value close to the decoded tau: the decoding path delivers what the draft "
+            "predicts"
         )
     if any(r.get("target_graphs") for r in rows):
         compared = (
@@ -137,14 +140,17 @@ def results_markdown(results) -> str:
         if any(c and c.get("teacher_forced") for d in drafters for c in [lookup.get((d, x, temp)) for x in datasets]):
             for drafter in drafters:
                 cells = [lookup.get((drafter, d, temp)) for d in datasets]
-                key = "tau_greedy" if temp == 0 else "tau_prob"
-                table.append(
-                    [f"{drafter}, teacher-forced on the target's answers"]
-                    + [_fmt(c["teacher_forced"][key]) if c and key in (c.get("teacher_forced") or {}) else "–"
-                       for c in cells]
-                    + ["" for _ in datasets]
-                    + [""]
-                )
+                kind = "greedy" if temp == 0 else "prob"
+                forced = ((", teacher-forced on the target's answers", f"tau_{kind}"),
+                          (", the same walked as decoding", f"tau_walk_{kind}"))  # fmt: skip
+                for label, key in forced:
+                    table.append(
+                        [drafter + label]
+                        + [_fmt(c["teacher_forced"][key]) if c and key in (c.get("teacher_forced") or {}) else "–"
+                           for c in cells]
+                        + ["" for _ in datasets]
+                        + [""]
+                    )
         out += _table(header, table)
 
     width = max((len(r["accept_rate_by_position"]) for r in rows), default=0)

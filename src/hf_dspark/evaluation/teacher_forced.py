@@ -29,9 +29,10 @@ def teacher_forced_estimates(
     batch_size: int = 16,
     seed: int = 0,
 ) -> dict:
-    """{"tau_prob", "tau_greedy", "accept_rate_by_position", "sequences"} of `draft` on `prompt + completion`
-    token sequences, the completions supervised (as `DraftTrainer.evaluate` computes held-out τ); {} when no
-    completion has two tokens."""
+    """{"tau_prob", "tau_greedy", "tau_walk_prob", "tau_walk_greedy", "accept_rate_by_position", "sequences"} of
+    `draft` on `prompt + completion` token sequences, the completions supervised (as `DraftTrainer.evaluate`
+    computes held-out τ); {} when no completion has two tokens. The walk values count rounds as decoding would
+    (`metrics.decoding_walk_estimates`; absent where the draft's anchors do not cover every answer position)."""
     import datasets
 
     from ..training import DraftTrainer, DraftTrainingArguments
@@ -67,9 +68,11 @@ def teacher_forced_estimates(
                                target_model=target)  # fmt: skip
         metrics = trainer.evaluate()
     slots = sorted(int(k.split("@")[1]) for k in metrics if k.startswith("eval_accept@"))
+    walk = {k: metrics[f"eval_{k}"] for k in ("tau_walk_greedy", "tau_walk_prob") if f"eval_{k}" in metrics}
     return {
         "tau_prob": metrics["eval_tau_prob"],
         "tau_greedy": metrics["eval_tau_greedy"],
+        **walk,
         "accept_rate_by_position": [metrics[f"eval_accept@{k}"] for k in slots],
         "sequences": len(rows),
     }

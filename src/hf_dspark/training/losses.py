@@ -407,12 +407,15 @@ class DraftLossOutput:
     the average over ranks (what DDP/DeepSpeed do to gradients and Trainer does to the logged loss) equals the
     global formula. terms: detached, this rank's share of each loss term (their sum over ranks is the global
     term). estimates: detached local sums for the training-time acceptance estimates (sum over ranks, then
-    divide: tau_prob = tau_prob_sum / blocks, accept@k = accept_sum[k] / accept_count[k]).
+    divide: tau_prob = tau_prob_sum / blocks, accept@k = accept_sum[k] / accept_count[k]). blocks: detached
+    per-block tensors [B, N, K] (accept_rate, greedy_match, eval_mask) for estimates that need every block, such
+    as the evaluation's decoding walk (`metrics.decoding_walk_estimates`).
     """
 
     loss: torch.Tensor
     terms: dict[str, torch.Tensor] = field(default_factory=dict)
     estimates: dict[str, torch.Tensor] = field(default_factory=dict)
+    blocks: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def global_sum(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -503,7 +506,10 @@ def block_draft_loss(
             # Added even when confidence_head_alpha is 0, so DDP sees a gradient for every parameter.
             loss = loss + cfg.confidence_head_alpha * (weight * world * bce).sum()
             terms["loss_conf"] = (weight * bce).sum().detach()
-        estimates.update(training_acceptance_estimates(accept, stats.greedy_match.view(shape), outputs.eval_mask))
+        match = stats.greedy_match.view(shape)
+        estimates.update(training_acceptance_estimates(accept, match, outputs.eval_mask))
+        blocks = {"accept_rate": accept.detach(), "greedy_match": match.detach(), "eval_mask": outputs.eval_mask}
+        return DraftLossOutput(loss=loss, terms=terms, estimates=estimates, blocks=blocks)
     return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
 
 
@@ -543,10 +549,10 @@ def eagle3_loss(
     to_blocks = lambda x: x.view(shape).permute(1, 2, 0)  # noqa: E731
     accept = (1 - 0.5 * to_blocks(stats.l1)).clamp(0, 1)
     estimates = {"supervised_tokens": mask.sum()}
-    estimates.update(
-        training_acceptance_estimates(accept, to_blocks(stats.greedy_match), to_blocks(outputs.eval_mask))
-    )
-    return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
+    match, eval_mask = to_blocks(stats.greedy_match), to_blocks(outputs.eval_mask)
+    estimates.update(training_acceptance_estimates(accept, match, eval_mask))
+    blocks = {"accept_rate": accept.detach(), "greedy_match": match.detach(), "eval_mask": eval_mask}
+    return DraftLossOutput(loss=loss, terms=terms, estimates=estimates, blocks=blocks)
 
 
 # Training objectives by the name a drafter's registry entry gives (DrafterSpec.objective).

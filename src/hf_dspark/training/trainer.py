@@ -37,7 +37,8 @@ from transformers import Trainer, TrainerCallback, enable_full_determinism, set_
 from transformers.trainer_callback import ProgressCallback
 
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
-from ..models.anchors import sample_anchors
+from ..metrics import decoding_walk_estimates
+from ..models.anchors import anchor_candidates, sample_anchors
 from ..target import decoder_layers, target_features
 from .arguments import DraftTrainingArguments
 from .checkpoints import resolve_resume_checkpoint
@@ -265,6 +266,8 @@ class DraftTrainer(Trainer):
                 normalization=getattr(self.args, "loss_normalization", "token"),
             )
         self._record(mode, result)
+        if mode == "eval" and result.blocks:
+            self._record_decoding_walk(inputs, result.blocks)
         return (result.loss, outputs) if return_outputs else result.loss
 
     def _target_features(self, draft, inputs) -> dict[str, torch.Tensor]:
@@ -402,6 +405,23 @@ class DraftTrainer(Trainer):
         if mode == "train":
             self.supervised_tokens_seen += result.estimates["supervised_tokens"].detach()
 
+    def _record_decoding_walk(self, inputs, blocks: dict[str, torch.Tensor]) -> None:
+        """Held-out τ as decoding would walk the same text (`metrics.decoding_walk_estimates`; evaluation only: it
+        reads the blocks on the host)."""
+        if "anchor_positions" in inputs:
+            positions, valid = inputs["anchor_positions"], inputs["anchor_mask"]
+            candidates = anchor_candidates(inputs["loss_mask"] * inputs["attention_mask"])
+        else:  # Eagle3: a block at every position t, whose step 0 predicts t + 2: anchored at t + 1
+            valid = blocks["eval_mask"][..., 0].bool()
+            rows, seq = valid.shape
+            positions = torch.arange(1, seq + 1, device=valid.device).expand(rows, seq)
+            candidates = torch.cat([torch.zeros_like(valid[:, :1]), valid], dim=1)
+        walk = decoding_walk_estimates(blocks["accept_rate"], blocks["greedy_match"], blocks["eval_mask"],
+                                       positions, valid, candidates)  # fmt: skip
+        metrics = self._metrics["eval"]
+        for name, value in walk.items():
+            metrics[name] = metrics[name] + value
+
     def _summarize(self, mode: str) -> dict[str, float]:
         """Sum this window's metrics over processes (one all-reduce) and turn sums into means."""
         metrics = self._metrics[mode]
@@ -427,6 +447,11 @@ class DraftTrainer(Trainer):
                     logs[f"accept@{k + 1}"] = hit / count
         if "supervised_tokens" in sums:
             logs["supervised_tokens"] = float(sums["supervised_tokens"])
+        if "walk_tokens" in sums and float(sums["walk_rounds_greedy"]) > 0:
+            logs["tau_walk_greedy"] = float(sums["walk_tokens"] / sums["walk_rounds_greedy"])
+            logs["tau_walk_prob"] = float(sums["walk_tokens"] / sums["walk_rounds_prob"])
+        if float(sums.get("walk_rows_skipped", 0)) > 0:  # rows longer than the anchors cover
+            logs["walk_rows_skipped"] = float(sums["walk_rows_skipped"])
         return logs
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
