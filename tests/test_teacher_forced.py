@@ -54,3 +54,40 @@ def test_a_failing_estimate_is_recorded_in_the_row_and_the_evaluation_goes_on(mo
     with caplog.at_level("WARNING"):
         assert runner._teacher_forced(None, None, [call], 1, 0) == {"error": "RuntimeError: no memory left"}
     assert "teacher-forced estimates failed" in caplog.text
+
+
+def test_the_walked_estimate_is_the_tau_greedy_decoding_delivers(tmp_path):
+    """A draft trained on a loopy target's greedy text: greedy decoding (float32, every answer the target's own)
+    commits exactly the walked estimate's τ, while the mean over every position counts the easy loops at each of
+    their positions and promises more."""
+    import datasets
+    from transformers import set_seed
+
+    from hf_dspark.training import DraftTrainer, DraftTrainingArguments
+
+    target = make_tiny_target("gemma3")
+    with torch.no_grad():  # larger weights: varied greedy text with loops in it, not one repeated token
+        for name, param in target.named_parameters():
+            if "norm" not in name:
+                param.mul_(4)
+    prompts, completions = answers(target, n=16, prompt_len=5, new=32)
+    rows = [{"input_ids": p + c, "loss_mask": [0] * len(p) + [1] * len(c)} for p, c in zip(prompts, completions)]
+    set_seed(0)
+    args = DraftTrainingArguments(output_dir=str(tmp_path), max_steps=60, per_device_train_batch_size=8,
+                                  learning_rate=1e-2, lr_scheduler_type="constant", report_to="none",
+                                  save_strategy="no", use_cpu=True, disable_tqdm=True, block_size=4,
+                                  num_hidden_layers=1, num_anchors=64, seed=0)  # fmt: skip
+    trainer = DraftTrainer(args=args, train_dataset=datasets.Dataset.from_list(rows), target_model=target)
+    trainer.train()
+    draft = trainer.model.eval()
+    forced = teacher_forced_estimates(draft, target, prompts[:8], completions[:8])
+    committed = rounds = 0
+    for prompt, completion in zip(prompts[:8], completions[:8]):
+        out = target.generate(torch.tensor([prompt]), assistant_model=draft, max_new_tokens=32, do_sample=False,
+                              pad_token_id=0)  # fmt: skip
+        assert out[0, len(prompt):].tolist() == completion  # the same text the estimate walked
+        acceptance = draft.last_generation_stats.acceptance.to_dict()
+        committed, rounds = committed + acceptance["committed_tokens"], rounds + acceptance["rounds"]
+    assert committed / rounds > 1.5  # acceptance is not trivial, so the equality below says something
+    assert forced["tau_walk_greedy"] == pytest.approx(committed / rounds, rel=1e-6)
+    assert forced["tau_greedy"] > forced["tau_walk_greedy"] + 0.2, (forced, committed / rounds)
