@@ -275,6 +275,7 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
     for name, run in report["variants"].items():
         assert run["returncode"] == 0, (out / f"{name}.log").read_text()[-2000:]
         assert run["held_out"] and all(p["elapsed_s"] > 0 and p["eval_tau_prob"] >= 1.0 for p in run["held_out"])
+        assert all(p["eval_tau_walk_greedy"] >= 1.0 for p in run["held_out"])  # walked as decoding, too
         assert [p["elapsed_s"] for p in run["held_out"]] == sorted(p["elapsed_s"] for p in run["held_out"])
         assert run["first_log"]["elapsed_s"] > 0 and run["seconds_per_step"] > 0  # speed apart from compilation
         assert run["compile_s"] == 0.0  # CPU smoke runs compile nothing (their logs say so)
