@@ -36,6 +36,7 @@ CPU smoke test (tiny random target and drafts): python benchmarks/generation_spe
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -422,15 +423,42 @@ def profile_calls(args, setup) -> None:
         events = prof.key_averages()
         ops = sum(e.count for e in events if e.key.startswith("aten::"))
         tokens = count_new_tokens(out, ids.shape[1], eos_ids)
+        rounds = draft.last_generation_stats.acceptance.rounds if draft is not None else None
         sections.append(
             f"## {name}: batch {len(batch)}, T={args.profile_temperature:g}, {tokens} new tokens, "
             f"{seconds:.3f} s profiled, "
             f"{ops} aten operators ({ops / max(tokens, 1):.0f} per new token)\n"
             + events.table(sort_by=sort, row_limit=30)
+            + (phase_table(prof.events(), rounds) if rounds else "")
         )
     with open(args.profile, "w") as handle:
         handle.write("\n\n".join(sections))
     print(f"profile written to {args.profile}")
+
+
+def phase_table(events, rounds: int) -> str:
+    """Operators launched per round in each phase of the decoding loop (the "hf_dspark::" profiler ranges of
+    `hf_dspark.generation.speculative.PHASES`): each top-level aten operator (one the host dispatches itself, not
+    one inside another) goes to its innermost phase; "outside" is the rest of generate() (prefill, setup). Whole
+    rounds replayed as one graph (the fused round) have no phases."""
+    counts = collections.Counter()
+    for event in events:
+        if not event.name.startswith("aten::") or (event.cpu_parent and event.cpu_parent.name.startswith("aten::")):
+            continue
+        parent, label = event.cpu_parent, "outside"
+        while parent is not None:
+            if parent.name.startswith("hf_dspark::"):
+                label = parent.name.removeprefix("hf_dspark::")
+                break
+            parent = parent.cpu_parent
+        counts[label] += 1
+    if set(counts) <= {"outside"}:
+        return "\n(no decoding-loop phases: whole rounds ran as one graph)\n"
+    lines = [f"\n### aten operators by phase of the round ({rounds} rounds)", "| phase | operators | per round |",
+             "|---|---|---|"]  # fmt: skip
+    for label, count in counts.most_common():
+        lines.append(f"| {label} | {count} | {count / rounds:.1f} |")
+    return "\n".join(lines) + "\n"
 
 
 # -- report -----------------------------------------------------------------------------------------------------

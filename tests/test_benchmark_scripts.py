@@ -41,7 +41,11 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     assert [r["static_cache_len"] for r in static] == [256] * 4
     assert [r["static_warmup_calls"] for r in static] == [1, 2, 2, 2]
     assert [r["static_cache_batch_shapes"] for r in static] == [[1], [1, 4], [1, 4], [1, 4]]
-    assert "per new token" in profile.read_text()
+    text = profile.read_text()
+    assert "per new token" in text
+    # The draft's call: operators per round in each phase of the decoding loop, every phase present.
+    phases = dict(line.split(" | ")[:2] for line in text.split("by phase of the round")[1].splitlines()[3:] if line)
+    assert {"| propose", "| verify_forward", "| accept", "| commit", "| rollback", "| extend"} <= set(phases)
 
 
 def test_compare_paths_takes_a_subset(generation_speed, tmp_path):

@@ -65,6 +65,7 @@ features are cast to the draft's dtype.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -91,6 +92,17 @@ from .scheduler import (
     verify_cost_is_flat,
 )
 from .stats import SpeculativeStats
+
+PHASES = ("propose", "verify_forward", "accept", "commit", "rollback", "extend")
+
+
+def phase(name: str):
+    """A torch.profiler range "hf_dspark::NAME" around one part of a round (PHASES), so a profile of generate()
+    attributes operators and time to them (`benchmarks/generation_speed.py --profile` counts them per round).
+    Without a profiler running, nothing: a range costs ~7 us of host time, 6 a round."""
+    if not torch._C._autograd._profiler_enabled():
+        return contextlib.nullcontext()
+    return torch.profiler.record_function(f"hf_dspark::{name}")
 
 
 # Processors that ignore input_ids: applied once to every [row, position] at the same time.
@@ -797,93 +809,99 @@ class _Decoder:
         lengths = [self.lengths[r] for r in row_ids]
         # The bonus token is committed too: verify at most budget - generated - 1 draft tokens.
         n_draft = max(max(0, min(self.num_tokens, self.budget - n - 1)) for n in lengths)
-        lengths_t = self.lengths_t[rows_t]
-        caps = (self.budget - 1 - lengths_t).clamp(min=0, max=self.num_tokens)
-        anchors = self.buffer[rows_t, self.prompt_length + lengths_t - 1]
-        proposal = None
-        if n_draft > 0 and runner is not None:
-            proposal = runner.propose(local_t, anchors, n_draft)
-        elif n_draft > 0:
-            self.draft_processors.rows, self.draft_processors.batch_size = rows_t, self.buffer.shape[0]
-            proposal = draft.propose(
-                dcache,
-                anchors,
-                sampler=self.sampler,
-                num_tokens=n_draft,
-                input_ids=self._draft_input_ids(rows_t, lengths),
-            )
-        verify_len = self._schedule(proposal, caps)
-        if self.whole_blocks:
-            width = n_draft + 1  # known on the host: every row verifies min(cap, n_draft) = its whole cap
-        else:
-            width = int(verify_len.max().item()) + 1  # confidence schedules: one extra synchronization
+        with phase("propose"):
+            lengths_t = self.lengths_t[rows_t]
+            caps = (self.budget - 1 - lengths_t).clamp(min=0, max=self.num_tokens)
+            anchors = self.buffer[rows_t, self.prompt_length + lengths_t - 1]
+            proposal = None
+            if n_draft > 0 and runner is not None:
+                proposal = runner.propose(local_t, anchors, n_draft)
+            elif n_draft > 0:
+                self.draft_processors.rows, self.draft_processors.batch_size = rows_t, self.buffer.shape[0]
+                proposal = draft.propose(
+                    dcache,
+                    anchors,
+                    sampler=self.sampler,
+                    num_tokens=n_draft,
+                    input_ids=self._draft_input_ids(rows_t, lengths),
+                )
+            verify_len = self._schedule(proposal, caps)
+            if self.whole_blocks:
+                width = n_draft + 1  # known on the host: every row verifies min(cap, n_draft) = its whole cap
+            else:
+                width = int(verify_len.max().item()) + 1  # confidence schedules: one extra synchronization
         t1 = time.perf_counter()
         self.stats.draft_time += t1 - t0
 
-        window = anchors[:, None]
-        if width > 1:
-            drafts = proposal.tokens[:, : width - 1]
-            window = torch.cat([window, drafts], dim=1)
-            if not self.position_free:  # tentative drafts after each sequence: the logits processors read them
-                cols = self.prompt_length + lengths_t[:, None] + torch.arange(width - 1, device=device)
-                self.buffer[rows_t[:, None].expand_as(cols), cols] = drafts
-        slot = torch.arange(width, device=device)[None, :]
-        if target_runner is not None:
-            raw, features = target_runner.verify(local_t, window, real[:, None] + slot)
-            raw = raw.float()
-        else:
-            window_valid = slot <= verify_len[:, None]
-            out = model(
-                input_ids=window,
-                attention_mask=self._verify_mask(mask, window_valid),
-                position_ids=real[:, None] + slot,
-                use_cache=True,
-                logits_to_keep=width,
-                **cache_kw,
+        with phase("verify_forward"):
+            window = anchors[:, None]
+            if width > 1:
+                drafts = proposal.tokens[:, : width - 1]
+                window = torch.cat([window, drafts], dim=1)
+                if not self.position_free:  # tentative drafts after each sequence: the logits processors read them
+                    cols = self.prompt_length + lengths_t[:, None] + torch.arange(width - 1, device=device)
+                    self.buffer[rows_t[:, None].expand_as(cols), cols] = drafts
+            slot = torch.arange(width, device=device)[None, :]
+            if target_runner is not None:
+                raw, features = target_runner.verify(local_t, window, real[:, None] + slot)
+                raw = raw.float()
+            else:
+                window_valid = slot <= verify_len[:, None]
+                out = model(
+                    input_ids=window,
+                    attention_mask=self._verify_mask(mask, window_valid),
+                    position_ids=real[:, None] + slot,
+                    use_cache=True,
+                    logits_to_keep=width,
+                    **cache_kw,
+                )
+                raw = out.logits[:, -width:].float()
+                features = hooks.features
+                del out
+        with phase("accept"):
+            scores = self._process(raw, rows_t, lengths)
+            result = verify_block(
+                scores,
+                window[:, 1:],
+                None if proposal is None else proposal.probs[:, : width - 1],
+                verify_len,
+                self.do_sample,
             )
-            raw = out.logits[:, -width:].float()
-            features = hooks.features
-            del out
-        scores = self._process(raw, rows_t, lengths)
-        result = verify_block(
-            scores,
-            window[:, 1:],
-            None if proposal is None else proposal.probs[:, : width - 1],
-            verify_len,
-            self.do_sample,
-        )
-        accepted = result.num_accepted
-        new_tokens = block_tokens(window, result)
-        confidences = None
-        if proposal is not None and proposal.confidences is not None:
-            # Queued before the commit's synchronization, so it has arrived when the commit returns.
-            confidences = proposal.confidences.to("cpu", non_blocking=True)
-        counts, finished, (accepted_h, verify_h) = self._commit(
-            rows_t, row_ids, new_tokens, accepted + 1, scores, raw, extra=(accepted, verify_len)
-        )
+            accepted = result.num_accepted
+            new_tokens = block_tokens(window, result)
+        with phase("commit"):
+            confidences = None
+            if proposal is not None and proposal.confidences is not None:
+                # Queued before the commit's synchronization, so it has arrived when the commit returns.
+                confidences = proposal.confidences.to("cpu", non_blocking=True)
+            counts, finished, (accepted_h, verify_h) = self._commit(
+                rows_t, row_ids, new_tokens, accepted + 1, scores, raw, extra=(accepted, verify_len)
+            )
         t2 = time.perf_counter()
         self.stats.verify_time += t2 - t1
         self.stats.acceptance.add_round(verify_h, accepted_h, confidences, committed=counts)
 
         # Roll the target cache back to the longest committed prefix among continuing rows; others keep holes.
-        continuing = [i for i, f in enumerate(finished) if not f]
-        keep = max(accepted_h[i] + 1 for i in (continuing or range(n_rows)))
-        committed = slot[:, :keep] <= accepted[:, None]
-        if target_runner is not None:
-            target_runner.commit(local_t, committed, keep)
-        else:
-            # Always: in transformers 5.17 crop(0) also trims sliding-window layers back to their window.
-            cache_kw[self.cache_kwarg].crop(-(width - keep))
-            mask = torch.cat([mask, committed.long()], dim=1)
-        real = real + accepted + 1
-        if continuing:  # context K/V of the committed positions
-            valid = slot <= accepted[:, None]
-            if runner is not None:
-                runner.extend(local_t, features, valid, new_tokens)
+        with phase("rollback"):
+            continuing = [i for i, f in enumerate(finished) if not f]
+            keep = max(accepted_h[i] + 1 for i in (continuing or range(n_rows)))
+            committed = slot[:, :keep] <= accepted[:, None]
+            if target_runner is not None:
+                target_runner.commit(local_t, committed, keep)
             else:
-                draft.extend_context(
-                    dcache, features, valid=valid, next_token_ids=new_tokens, max_committed=max(accepted_h) + 1
-                )
+                # Always: in transformers 5.17 crop(0) also trims sliding-window layers back to their window.
+                cache_kw[self.cache_kwarg].crop(-(width - keep))
+                mask = torch.cat([mask, committed.long()], dim=1)
+            real = real + accepted + 1
+        if continuing:  # context K/V of the committed positions
+            with phase("extend"):
+                valid = slot <= accepted[:, None]
+                if runner is not None:
+                    runner.extend(local_t, features, valid, new_tokens)
+                else:
+                    draft.extend_context(
+                        dcache, features, valid=valid, next_token_ids=new_tokens, max_committed=max(accepted_h) + 1
+                    )
             self.stats.draft_time += time.perf_counter() - t2
         return counts, finished, mask, real
 
