@@ -227,24 +227,25 @@ class DSparkModel(DraftPreTrainedModel):
             return self._proposal(tokens, probs, logits.float(), confidence_logits)
         prev = anchor_ids
         state = self.markov_head.init_state(hidden[:, 0]) if cfg.has_markov_head else None
-        tokens, probs, logits, conf_logits = [], [], [], []
+        tokens, probs, logits, prev_embeds = [], [], [], []
         for k in range(n):
             h_k = hidden[:, k]
             prev_embed = z = None
             if cfg.has_markov_head:
                 prev_embed = self.markov_head.embed(prev).to(h_k.dtype)
                 z, state = self.markov_head.step(h_k, prev_embed, state)
+                prev_embeds.append(prev_embed)
             step_logits = self.finish_logits(base_logits[:, k], z)
-            if cfg.enable_confidence_head:
-                conf_logits.append(
-                    self.confidence_head(h_k, prev_embed if cfg.confidence_head_with_markov else None).float()
-                )
             p_k, x_k = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, k)
             tokens.append(x_k)
             probs.append(p_k)
             logits.append(step_logits.float())
             prev = x_k
-        confidence_logits = torch.stack(conf_logits, dim=1) if conf_logits else None
+        confidence_logits = None
+        if cfg.enable_confidence_head:  # after the loop, all slots at once: no slot's draw depends on it
+            with_markov = cfg.confidence_head_with_markov and prev_embeds
+            prev_all = torch.stack(prev_embeds, dim=1) if with_markov else None
+            confidence_logits = self.confidence_head(hidden, prev_all).float()
         return self._proposal(
             torch.stack(tokens, dim=1), torch.stack(probs, dim=1), torch.stack(logits, dim=1), confidence_logits
         )
