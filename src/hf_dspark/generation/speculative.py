@@ -94,13 +94,15 @@ from .scheduler import (
 from .stats import SpeculativeStats
 
 PHASES = ("propose", "verify_forward", "accept", "commit", "rollback", "extend")
+# torch's own check whether a profiler is recording (private; where a build lacks it, ranges are always opened).
+_profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
 
 
 def phase(name: str):
     """A torch.profiler range "hf_dspark::NAME" around one part of a round (PHASES), so a profile of generate()
     attributes operators and time to them (`benchmarks/generation_speed.py --profile` counts them per round).
     Without a profiler running, nothing: a range costs ~7 us of host time, 6 a round."""
-    if not torch._C._autograd._profiler_enabled():
+    if not _profiler_enabled():
         return contextlib.nullcontext()
     return torch.profiler.record_function(f"hf_dspark::{name}")
 
