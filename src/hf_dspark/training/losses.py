@@ -497,6 +497,7 @@ def block_draft_loss(
     shape = weight.shape
     terms = {"loss_ce": (weight * stats.ce.view(shape)).sum()}
     estimates = {"supervised_tokens": mask.sum()}
+    blocks = {}
     if stats.l1 is not None:
         l1 = stats.l1.view(shape)
         accept = (1 - 0.5 * l1).clamp(0, 1)  # c*_k: the acceptance probability of slot k
@@ -509,8 +510,7 @@ def block_draft_loss(
         match = stats.greedy_match.view(shape)
         estimates.update(training_acceptance_estimates(accept, match, outputs.eval_mask))
         blocks = {"accept_rate": accept.detach(), "greedy_match": match.detach(), "eval_mask": outputs.eval_mask}
-        return DraftLossOutput(loss=loss, terms=terms, estimates=estimates, blocks=blocks)
-    return DraftLossOutput(loss=loss, terms=terms, estimates=estimates)
+    return DraftLossOutput(loss=loss, terms=terms, estimates=estimates, blocks=blocks)
 
 
 def eagle3_loss(
