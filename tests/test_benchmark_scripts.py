@@ -7,6 +7,8 @@ import json
 import pytest
 from conftest import load_script
 
+from hf_dspark.generation.speculative import PHASES
+
 
 @pytest.fixture(scope="module")
 def generation_speed():
@@ -45,7 +47,7 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     assert "per new token" in text
     # The draft's call: operators per round in each phase of the decoding loop, every phase present.
     phases = dict(line.split(" | ")[:2] for line in text.split("by phase of the round")[1].splitlines()[3:] if line)
-    assert {"| propose", "| verify_forward", "| accept", "| commit", "| rollback", "| extend"} <= set(phases)
+    assert {f"| {name}" for name in PHASES} <= set(phases)
 
 
 def test_compare_paths_takes_a_subset(generation_speed, tmp_path):
