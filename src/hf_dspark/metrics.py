@@ -200,11 +200,11 @@ def decoding_walk_estimates(
     others are left out (`walk_rows_skipped`). Returns sums (add over batches and ranks, then divide):
     walk_tokens, walk_rounds_greedy, walk_rounds_prob, walk_rows, walk_rows_skipped. Copies to the host.
     """
-    valid = anchor_valid.bool()
-    mask = eval_mask.float() * valid[..., None]
+    mask = eval_mask.float() * anchor_valid.bool()[..., None]
     survive_prob = torch.cumprod(accept_rate.float() * mask, dim=-1).cpu().numpy()  # [B, N, K]
     greedy_len = torch.cumprod(greedy_match.float() * mask, dim=-1).sum(-1).cpu().numpy()  # accepted slots
-    positions, valid, cand = anchor_positions.cpu().numpy(), valid.cpu().numpy(), candidates.bool().cpu().numpy()
+    positions, valid = anchor_positions.cpu().numpy(), anchor_valid.bool().cpu().numpy()
+    cand = candidates.bool().cpu().numpy()
     rows, seq = cand.shape
     k = survive_prob.shape[-1]
     walkable = (cand.sum(1) == valid.sum(1)) & (cand.sum(1) > 0)
