@@ -62,8 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--loss_backend", default="torch", choices=["torch", "triton", "auto"],
                    help="the vocabulary-wide loss's backend (default: torch, the trainer's default; auto: Triton on CUDA)")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute decoder layers in backward")
-    p.add_argument("--compile_draft_layers", action="store_true",
-                   help="torch.compile the draft's layer methods (the trainer's compile_draft_layers)")  # fmt: skip
+    p.add_argument("--compile_draft_layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the draft's layer methods (the trainer's compile_draft_layers; default as "
+                   "there: on CUDA without gradient checkpointing)")  # fmt: skip
     p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
     p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
     p.add_argument("--output", default=None, help="write the results as JSON here")
@@ -136,6 +137,8 @@ def main(argv=None):
     cuda = device.type == "cuda"
     if args.compile_loss is None:
         args.compile_loss = cuda
+    if args.compile_draft_layers is None:
+        args.compile_draft_layers = cuda and not args.gradient_checkpointing
     draft, seq_len = build(args)
     cfg = draft.config
     dtype = getattr(torch, args.dtype)

@@ -71,8 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup_steps_excluded", type=int, default=5, help="first steps left out of tokens/s")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--compile_draft_layers", nargs="+", choices=["off", "on"], default=["off"],
-                   help="train each drafter with its layer methods eager (off), compiled (on), or both in turn")  # fmt: skip
+    p.add_argument("--compile_draft_layers", nargs="+", choices=["off", "on"], default=None,
+                   help="train each drafter with its layer methods eager (off), compiled (on), or both in turn "
+                   "(default: the trainer's, on for CUDA)")  # fmt: skip
     p.add_argument("--dataloader_num_workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -85,6 +86,8 @@ def parse_args(argv=None):
         args.pad_to_multiple_of = args.max_length
     if args.compile_loss is None:
         args.compile_loss = cuda
+    if args.compile_draft_layers is None:
+        args.compile_draft_layers = ["on" if cuda else "off"]
     if args.dataloader_num_workers is None:
         args.dataloader_num_workers = 2 if cuda and args.mode == "cached" else 0
     return args

@@ -494,6 +494,7 @@ def test_defaults_are_the_tested_recipe():
     assert args.train_sampling_strategy == "group_by_length" and args.loss_backend == "torch"
     assert args.bf16 is False and args.compile_loss is False  # no GPU: full precision, eager loss
     assert args.compile_target is False  # the online target compiled on CUDA only
+    assert args.compile_draft_layers is False
     # The measured recipe's depth: 2 layers for block drafters (a 1-layer default once trained the wrong draft).
     target = make_tiny_target("llama")
     assert build_draft(target, args).config.num_hidden_layers == 2
@@ -502,15 +503,20 @@ def test_defaults_are_the_tested_recipe():
 
 
 def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
-    """Where CUDA is visible the loss and the online target's layers are compiled unless the user says otherwise."""
+    """Where CUDA is visible the loss, the online target's layers and the draft's layers are compiled unless the
+    user says otherwise; the draft's layers not by default where the trainer would ignore them (no warning then)."""
     from hf_dspark.training import arguments
 
     monkeypatch.setattr(arguments, "_cuda_available", lambda: True)
     monkeypatch.setattr(arguments, "_bf16_available", lambda: False)
     args = DraftTrainingArguments(output_dir=str(tmp_path))
-    assert args.compile_loss is True and args.compile_target is True
-    args = DraftTrainingArguments(output_dir=str(tmp_path), compile_target=False)
-    assert args.compile_target is False
+    assert args.compile_loss is True and args.compile_target is True and args.compile_draft_layers is True
+    args = DraftTrainingArguments(output_dir=str(tmp_path), compile_target=False, compile_draft_layers=False)
+    assert args.compile_target is False and args.compile_draft_layers is False
+    args = DraftTrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True)
+    assert args.compile_draft_layers is False
+    args = DraftTrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, compile_draft_layers=True)
+    assert args.compile_draft_layers is True  # asked for: the trainer ignores it with a warning (test below)
 
 
 def test_length_grouped_order_is_fixed_by_data_seed_and_epoch():

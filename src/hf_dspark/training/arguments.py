@@ -83,11 +83,13 @@ class DraftTrainingArguments(TrainingArguments):
                   "fewer launches; one layer's compilation serves all). Default: on CUDA (SmolLM2 on an H200: "
                   "the target's forward 33.9 -> 18.4 ms of an 89 -> 71 ms step)."},
     )
-    compile_draft_layers: bool = field(
-        default=False,
+    compile_draft_layers: bool | None = field(
+        default=None,
         metadata={"help": "torch.compile the draft's layer methods for training (fused norms, rotary, residuals and "
-                  "casts around the matrix products; one compilation per padded length). Off by default until "
-                  "timed; not with gradient checkpointing, DeepSpeed or FSDP (ignored there, with a warning)."},
+                  "casts around the matrix products; one compilation per padded length). Default: on CUDA without "
+                  "gradient checkpointing, DeepSpeed or FSDP (asked for with them, it is ignored with a warning). "
+                  "On an H200: SmolLM2 2-layer DSpark step 95.5 -> 81.3 ms, 6.54 -> 5.31 GiB; production shapes "
+                  "80.7 -> 67.6 ms, 9.24 -> 8.19 GiB."},
     )  # fmt: skip
     loss_backend: str = field(
         default="torch",
@@ -131,6 +133,8 @@ class DraftTrainingArguments(TrainingArguments):
             self.compile_loss = on_cuda
         if self.compile_target is None:
             self.compile_target = on_cuda
+        if self.compile_draft_layers is None:  # where the trainer would ignore it, the default stays quiet
+            self.compile_draft_layers = on_cuda and not (self.gradient_checkpointing or self.deepspeed or self.fsdp)
         if self.ddp_find_unused_parameters is None:
             # The objectives give every trainable parameter a gradient: skip DDP's extra graph traversal.
             self.ddp_find_unused_parameters = False
