@@ -310,3 +310,17 @@ def test_a_failing_grouped_attention_falls_back_to_the_models_own(tmp_path, toke
     assert target.config._attn_implementation == "sdpa"
     monkeypatch.undo()
     grouped.register()  # the working function back in transformers' (process-wide) attention registry
+
+
+def test_the_default_samples_the_targets_own_distribution_on_the_command_line_too():
+    """Answers sampled at temperature 1 without top-p/top-k trained the best drafts for sampled decoding (the data
+    ablation in benchmarks/results): the library and `hf-dspark regenerate` default to it, one set of values."""
+    import dataclasses
+    import inspect
+
+    from hf_dspark.data.cli import RegenerateArguments
+
+    library = inspect.signature(regenerate_responses).parameters
+    cli = {f.name: f.default for f in dataclasses.fields(RegenerateArguments)}
+    for name, value in {"temperature": 1.0, "top_p": 1.0, "top_k": 0}.items():
+        assert library[name].default == cli[name] == value, name

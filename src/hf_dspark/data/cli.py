@@ -19,9 +19,10 @@ class RegenerateArguments:
     device: str | None = field(None, help="default: this process's accelerator (or cpu)")
     batch_size: int = field(32, help="prompts per generate() call")
     max_new_tokens: int = field(768, help="answer length limit")
-    temperature: float = field(0.7, help="0 decodes greedily")
-    top_p: float = field(0.8, help="nucleus sampling")
-    top_k: int = field(20, help="top-k sampling")
+    temperature: float = field(1.0, help="0 decodes greedily (default: the target's own distribution, the data "
+                               "that trained the best drafts for sampled decoding)")
+    top_p: float = field(1.0, help="nucleus sampling (1: off)")
+    top_k: int = field(0, help="top-k sampling (0: off)")
     seed: int = field(0, help="sampling seed")
     all_turns: bool = field(False, help="answer every turn, not only the first")
     static_cache: str = field("auto", help="decode on a static cache with generate()'s compiled step ('auto': on "
