@@ -91,7 +91,9 @@ def regenerate_responses(
     The default samples the target's own distribution (temperature 1, no top-p/top-k; 768 new tokens): on
     SmolLM2 a draft trained on such answers decoded at T = 1 with 19% more τ than one trained on answers sampled
     with the paper's settings (temperature 0.7, top-p 0.8, top-k 20), and greedily with the same τ
-    (`benchmarks/results/ablations_smollm2_10min_data.json`). `temperature=0` decodes greedily. Only the first turn is answered unless `all_turns=True`, which answers
+    (`benchmarks/results/ablations_smollm2_10min_data.json`). `temperature=0` decodes greedily.
+
+    Only the first turn is answered unless `all_turns=True`, which answers
     every turn in order, each seeing the previous answers. `finish` is "length" when any answer hit
     `max_new_tokens`; `prompt_tokens` / `completion_tokens` sum over the answered turns (completion tokens
     count the end-of-turn token). Re-running with the same `output_file` resumes where it stopped. `rows` (a slice
