@@ -20,13 +20,11 @@ target is freed before training. --target_model defaults to the embedded SmolLM2
 The final draft is saved to --output_dir and loads with `AutoModel.from_pretrained(output_dir)`.
 """
 
-from transformers import HfArgumentParser
-
-from hf_dspark.training import DraftScriptArguments, DraftTrainingArguments, train_draft
+from hf_dspark.training import train_draft, training_argument_parser
 
 
 def main():
-    parser = HfArgumentParser((DraftScriptArguments, DraftTrainingArguments))
+    parser = training_argument_parser()  # transformers' HfArgumentParser over the script's and the Trainer's flags
     script_args, training_args = parser.parse_args_into_dataclasses()
     # train_draft: tokenize conversations -> (build/reuse the target cache) -> DraftTrainer.train() -> save.
     trainer = train_draft(script_args, training_args)

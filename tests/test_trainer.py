@@ -519,6 +519,21 @@ def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
     assert args.compile_draft_layers is True  # asked for: the trainer ignores it with a warning (test below)
 
 
+def test_optional_switches_take_a_bare_flag_on_the_command_line():
+    """`--compile_draft_layers` alone turns it on (it did when the field was a plain bool); `false` turns it off and
+    leaving it out keeps the machine's default. The same parser serves examples/train_dspark.py and hf-dspark train."""
+    from hf_dspark.training import training_argument_parser
+    from hf_dspark.training.cli import build_train_parser
+
+    required = ["--train_file", "chats.jsonl", "--output_dir", "out", "--use_cpu", "true"]
+    for parser in (training_argument_parser(), build_train_parser()):
+        parse = lambda *flags: parser.parse_args_into_dataclasses([*required, *flags])[1]  # noqa: E731, B023
+        assert parse("--compile_draft_layers").compile_draft_layers is True
+        assert parse("--compile_draft_layers", "false").compile_draft_layers is False
+        assert parse().compile_draft_layers is False  # no CUDA here
+        assert parse("--compile_target", "--no_fit_schedule_to_budget").compile_target is True
+
+
 def test_length_grouped_order_is_fixed_by_data_seed_and_epoch():
     from hf_dspark.training.trainer import SeededLengthGroupedSampler
 

@@ -7,7 +7,7 @@ _EXPORTS = {
     **dict.fromkeys(["DraftTrainingArguments"], ".arguments"),
     **dict.fromkeys(["DraftDataCollator"], ".collator"),
     **dict.fromkeys(["DraftLossOutput", "block_draft_loss", "draft_loss", "eagle3_loss", "fused_head_loss"], ".losses"),
-    **dict.fromkeys(["DraftScriptArguments", "train_draft"], ".script"),
+    **dict.fromkeys(["DraftScriptArguments", "train_draft", "training_argument_parser"], ".script"),
     **dict.fromkeys(["DraftTrainer", "build_draft"], ".trainer"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
@@ -24,4 +24,5 @@ __all__ = [
     "eagle3_loss",
     "fused_head_loss",
     "train_draft",
+    "training_argument_parser",
 ]

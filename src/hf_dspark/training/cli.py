@@ -37,14 +37,12 @@ def register(subparsers) -> None:
 
 
 def build_train_parser(show_all: bool = True):
-    from transformers import HfArgumentParser, TrainingArguments
+    from transformers import TrainingArguments
 
     from ..models import DRAFTERS
-    from .arguments import DraftTrainingArguments
-    from .script import DraftScriptArguments
+    from .script import training_argument_parser
 
-    parser = HfArgumentParser(
-        (DraftScriptArguments, DraftTrainingArguments),
+    parser = training_argument_parser(
         prog="hf-dspark train",
         description="Train a draft for a target on conversations and save it to --output_dir. Any transformers "
         "TrainingArguments flag works" + ("." if show_all else " (all listed by --help_all)."),

@@ -59,6 +59,20 @@ class DraftScriptArguments:
             self.eval_file = [str(self.eval_file)]
 
 
+def training_argument_parser(**kwargs):
+    """transformers' HfArgumentParser over `DraftScriptArguments` and `DraftTrainingArguments` (kwargs go to it),
+    where a bare `--flag` turns on an optional switch (a `bool | None` field, None = decided by the machine:
+    `--compile_draft_layers` means `--compile_draft_layers true`) as it does a plain `bool` field."""
+    from transformers import HfArgumentParser
+    from transformers.hf_argparser import string_to_bool
+
+    parser = HfArgumentParser((DraftScriptArguments, DraftTrainingArguments), **kwargs)
+    for action in parser._actions:
+        if action.type is string_to_bool and action.nargs is None:  # plain bools already have nargs="?"
+            action.nargs, action.const = "?", True
+    return parser
+
+
 def eval_file_sets(entries: list[str]) -> dict[str, list[str]]:
     """`--eval_file` entries -> {set name: files}. Plain entries form one unnamed set (""); NAME=FILE entries
     name theirs (repeat a NAME for several files). Mixing the two is refused: which set would plain files join?"""
