@@ -235,6 +235,23 @@ def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
     assert ablations.step_rate(tmp_path / "missing") == {"first_log": None, "seconds_per_step": None, "compile_s": None}
 
 
+def test_ablations_runs_compile_into_their_own_caches_unless_shared(tmp_path):
+    """--compile_cache per_run (default): each run gets its own empty torch.compile and Triton caches, so a run's
+    budget does not depend on what earlier runs compiled; shared: the machine's caches, untouched."""
+    ablations = load_script("benchmarks/ablations.py")
+    args = ablations.parse_args(["--output_dir", str(tmp_path), "--data", "x.jsonl"])
+    assert args.compile_cache == "per_run"
+    envs = {name: ablations.run_env(args, name, "1", tmp_path / "caches") for name in ("baseline", "eagle3")}
+    assert envs["baseline"]["CUDA_VISIBLE_DEVICES"] == "1"
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        dirs = {envs[name][key] for name in envs}
+        assert len(dirs) == 2 and all(d.startswith(str(tmp_path / "caches")) for d in dirs)
+    args = ablations.parse_args(["--output_dir", str(tmp_path), "--data", "x.jsonl", "--compile_cache", "shared"])
+    env = ablations.run_env(args, "baseline", "0", tmp_path / "caches")
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert env.get(key) == os.environ.get(key)
+
+
 def test_ablations_curve_merges_the_named_held_out_sets_of_a_step(tmp_path):
     """--eval_file NAME=FILE: transformers logs each held-out set apart at the same step; a curve point holds all."""
     ablations = load_script("benchmarks/ablations.py")
@@ -281,6 +298,7 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
         assert run["compile_s"] == 0.0  # CPU smoke runs compile nothing (their logs say so)
     assert json.loads((out / "ablations.json").read_text())["variants"].keys() == report["variants"].keys()
     assert (out / "ablations.png").stat().st_size > 1000
+    assert report["compile_cache"] == "per_run" and not list(out.glob("compile_caches_*"))  # scratch caches removed
     # Every variant's draft decoded on the same prompts, greedy and T = 1.
     decoding = report["decoding_eval"]
     assert decoding["returncode"] == 0, (out / "eval.log").read_text()[-2000:]
