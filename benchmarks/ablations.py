@@ -57,6 +57,10 @@ VARIANTS = {
     "anchors_1024": ["--num_anchors", "1024"],
     "loops_2": ["--max_loop_repeats", "2"],
     "sequence_normalization": ["--loss_normalization", "sequence"],
+    # DSpark's loss mix (CE 0.1, L1 0.9) against CE-heavier ones: DFlash (CE only) out-learned it greedily per step.
+    "ce_0.5": ["--ce_loss_alpha", "0.5", "--l1_loss_alpha", "0.5"],
+    "ce_only": ["--ce_loss_alpha", "1", "--l1_loss_alpha", "0"],
+    "markov_64": ["--markov_rank", "64"],
     "late_layers": ["--target_layer_ids", "8", "14", "20", "24", "28"],
     "padded_1024_random_order": ["--train_sampling_strategy", "random", "--pad_to_multiple_of", "1024"],
     # The three drafters at equal wall-clock budget (issue 13): each with its recipe defaults.

@@ -235,6 +235,24 @@ def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
     assert ablations.step_rate(tmp_path / "missing") == {"first_log": None, "seconds_per_step": None, "compile_s": None}
 
 
+def test_every_ablation_variant_is_flags_the_training_script_takes(tmp_path):
+    """Each variant's flags parse with the training script's own parser and change what they name."""
+    from hf_dspark.training import training_argument_parser
+
+    ablations = load_script("benchmarks/ablations.py")
+    parser = training_argument_parser()
+    base = ["--output_dir", str(tmp_path), "--train_file", "x.jsonl", "--use_cpu", "true"]
+
+    def parsed(flags):  # every field of the script's and the trainer's arguments, by name
+        return {k: v for part in parser.parse_args_into_dataclasses(base + flags) for k, v in vars(part).items()}
+
+    defaults = parsed([])
+    for name, flags in ablations.VARIANTS.items():
+        values = parsed(flags)
+        for field in (f[2:] for f in flags if f.startswith("--")):
+            assert values[field] != defaults[field], (name, field)
+
+
 def test_ablations_runs_compile_into_their_own_caches_unless_shared(tmp_path):
     """--compile_cache per_run (default): each run gets its own empty torch.compile and Triton caches, so a run's
     budget does not depend on what earlier runs compiled; shared: the machine's caches, untouched."""

@@ -502,6 +502,23 @@ def test_defaults_are_the_tested_recipe():
     assert build_draft(target, args).config.num_hidden_layers == 1
 
 
+def test_draft_config_flags_reach_the_draft_and_drafters_without_the_field_refuse_them(tmp_path):
+    """--markov_rank / --ce_loss_alpha / --l1_loss_alpha set the draft's config (unset: the drafter's own defaults);
+    a drafter without the field refuses the flag naming why, rather than training something else."""
+    target = make_tiny_target("llama")
+    draft = build_draft(target, make_args(tmp_path, markov_rank=16, ce_loss_alpha=0.5, l1_loss_alpha=0.5))
+    assert (draft.config.markov_rank, draft.config.ce_loss_alpha, draft.config.l1_loss_alpha) == (16, 0.5, 0.5)
+    assert draft.markov_head.markov_w1.weight.shape[1] == 16  # the head is built at that rank
+    plain = build_draft(target, make_args(tmp_path)).config
+    assert (plain.markov_rank, plain.ce_loss_alpha, plain.l1_loss_alpha) == (256, 0.1, 0.9)
+    dflash = build_draft(target, make_args(tmp_path, algorithm="dflash", l1_loss_alpha=0.5)).config
+    assert (dflash.ce_loss_alpha, dflash.l1_loss_alpha) == (1.0, 0.5)
+    with pytest.raises(ValueError, match="ce_loss_alpha does not apply to eagle3"):
+        build_draft(target, make_args(tmp_path, algorithm="eagle3", num_anchors=None, ce_loss_alpha=0.5))
+    with pytest.raises(ValueError, match="DFlash drafts have no Markov head"):
+        build_draft(target, make_args(tmp_path, algorithm="dflash", markov_rank=8))
+
+
 def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
     """Where CUDA is visible the loss, the online target's layers and the draft's layers are compiled unless the
     user says otherwise; the draft's layers not by default where the trainer would ignore them (no warning then)."""

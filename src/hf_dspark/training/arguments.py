@@ -48,6 +48,20 @@ class DraftTrainingArguments(TrainingArguments):
     target_layer_ids: list[int] | None = field(
         default=None, metadata={"help": "Target layers feeding the draft (default: 5 evenly spaced non-final ones)."}
     )
+    markov_rank: int | None = field(
+        default=None, metadata={"help": "Rank of DSpark's Markov head (default 256; DSpark only)."}
+    )
+    ce_loss_alpha: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the cross-entropy term of the block drafters' loss (default: DSpark 0.1, "
+                  "DFlash 1)."},
+    )  # fmt: skip
+    l1_loss_alpha: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the L1 (total variation) term against the target distribution (default: DSpark "
+                  "0.9, DFlash 0). CE drives the argmax (greedy acceptance), L1 the overlap min(p_d, p_t) that "
+                  "sampled acceptance counts."},
+    )  # fmt: skip
     use_qk_norm: bool | None = field(
         default=None,
         metadata={

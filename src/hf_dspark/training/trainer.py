@@ -49,14 +49,26 @@ from .losses import draft_loss
 logger = logging.getLogger(__name__)
 
 
+# Training flags that set a field of some drafters' configs, with what a drafter without the field does instead.
+DRAFT_FIELDS = {
+    "num_anchors": "they train on every position",
+    "markov_rank": "only DSpark drafts have a Markov head",
+    "ce_loss_alpha": "Eagle3 trains on the soft cross-entropy against the target distribution",
+    "l1_loss_alpha": "Eagle3 trains on the soft cross-entropy against the target distribution",
+}
+
+
 def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrainedModel:
     """A fresh draft of `args.algorithm` for `target`, shaped by the draft fields of `args`."""
     config_cls, model_cls = drafter_classes(args.algorithm)
     overrides = {}
-    if getattr(args, "num_anchors", None) is not None:
-        if not hasattr(config_cls, "num_anchors"):
-            raise ValueError(f"num_anchors does not apply to {args.algorithm} drafts (they train on every position)")
-        overrides["num_anchors"] = args.num_anchors
+    for name in DRAFT_FIELDS:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if not hasattr(config_cls, name):
+            raise ValueError(f"{name} does not apply to {args.algorithm} drafts ({DRAFT_FIELDS[name]})")
+        overrides[name] = value
     if getattr(args, "use_qk_norm", None) is not None:
         overrides["use_qk_norm"] = args.use_qk_norm
     layers = getattr(args, "num_hidden_layers", None)
