@@ -534,6 +534,11 @@ def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
     assert args.compile_draft_layers is False
     args = DraftTrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, compile_draft_layers=True)
     assert args.compile_draft_layers is True  # asked for: the trainer ignores it with a warning (test below)
+    # One rule for the arguments' default and the trainer: what rules the compiled draft layers out.
+    assert arguments.draft_layer_compile_blocker(False, False, False) is None
+    assert arguments.draft_layer_compile_blocker(True, True, False) == "gradient checkpointing"
+    assert arguments.draft_layer_compile_blocker(False, True, False) == "DeepSpeed"
+    assert arguments.draft_layer_compile_blocker(False, False, True) == "FSDP"
 
 
 def test_optional_switches_take_a_bare_flag_on_the_command_line():
@@ -735,6 +740,16 @@ def test_compiled_draft_layers_failure_falls_back_and_sharding_or_checkpointing_
         )  # fmt: skip
     assert checkpointed._compiled_draft_layers is None
     assert any("compile_draft_layers is ignored with gradient checkpointing" in r.getMessage() for r in caplog.records)
+
+    # Defaulted on where only the trainer sees what rules it out (DeepSpeed or FSDP from an accelerate config, here
+    # stood in for by checkpointing turned on after the arguments resolved): off again with a note, not a warning.
+    args = make_args(tmp_path)
+    args.compile_draft_layers, args.gradient_checkpointing = True, True
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        quiet = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+    notes = [r for r in caplog.records if "compile_draft_layers is ignored" in r.getMessage()]
+    assert quiet._compiled_draft_layers is None and notes and all(r.levelname == "INFO" for r in notes)
 
 
 @pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])

@@ -147,8 +147,11 @@ class DraftTrainingArguments(TrainingArguments):
             self.compile_loss = on_cuda
         if self.compile_target is None:
             self.compile_target = on_cuda
-        if self.compile_draft_layers is None:  # where the trainer would ignore it, the default stays quiet
-            self.compile_draft_layers = on_cuda and not (self.gradient_checkpointing or self.deepspeed or self.fsdp)
+        # Defaulted, the setting stays quiet where the trainer turns it off (the trainer reads this mark).
+        self._compile_draft_layers_defaulted = self.compile_draft_layers is None
+        if self.compile_draft_layers is None:
+            blocker = draft_layer_compile_blocker(self.gradient_checkpointing, bool(self.deepspeed), bool(self.fsdp))
+            self.compile_draft_layers = on_cuda and blocker is None
         if self.ddp_find_unused_parameters is None:
             # The objectives give every trainable parameter a gradient: skip DDP's extra graph traversal.
             self.ddp_find_unused_parameters = False
@@ -194,6 +197,15 @@ def _check_launch(args) -> None:
                 f"{local} processes were launched on this machine but it has {gpus} GPU(s): launch with "
                 f"--num_processes {gpus} (or num_processes: {gpus} in the accelerate config), one process per GPU"
             )
+
+
+def draft_layer_compile_blocker(gradient_checkpointing: bool, deepspeed: bool, fsdp: bool) -> str | None:
+    """Why the draft's layers cannot be compiled for training (`compile_draft_layers`), or None. Gradient
+    checkpointing re-runs the layers' forward in backward, and DeepSpeed / FSDP wrap and shard the modules whose
+    methods the compilation replaces: each of these runs them uncompiled."""
+    if gradient_checkpointing:
+        return "gradient checkpointing"
+    return "DeepSpeed" if deepspeed else "FSDP" if fsdp else None
 
 
 def _cuda_available() -> bool:

@@ -40,7 +40,7 @@ from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_sp
 from ..metrics import decoding_walk_estimates
 from ..models.anchors import anchor_candidates, sample_anchors
 from ..target import decoder_layers, target_features
-from .arguments import DraftTrainingArguments
+from .arguments import DraftTrainingArguments, draft_layer_compile_blocker
 from .checkpoints import resolve_resume_checkpoint
 from .collator import DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
@@ -313,14 +313,16 @@ class DraftTrainer(Trainer):
         """`compile_draft_layers`, where the draft's layers are called directly (see `compiled_draft_layers`)."""
         if not getattr(self.args, "compile_draft_layers", False):
             return None
-        reason = (
-            "gradient checkpointing" if self.args.gradient_checkpointing
-            else "DeepSpeed" if getattr(self, "is_deepspeed_enabled", False)
-            else "FSDP" if getattr(self, "is_fsdp_enabled", False)
-            else None
-        )  # fmt: skip
+        # The accelerator knows of DeepSpeed / FSDP set up by an `accelerate launch` config alone.
+        reason = draft_layer_compile_blocker(
+            self.args.gradient_checkpointing,
+            getattr(self, "is_deepspeed_enabled", False),
+            getattr(self, "is_fsdp_enabled", False),
+        )
         if reason is not None:
-            logger.warning("compile_draft_layers is ignored with %s: the draft's layers run uncompiled", reason)
+            asked = not getattr(self.args, "_compile_draft_layers_defaulted", False)
+            level = logging.WARNING if asked else logging.INFO
+            logger.log(level, "compile_draft_layers is ignored with %s: the draft's layers run uncompiled", reason)
             return None
         return compiled_draft_layers(self.accelerator.unwrap_model(self.model))
 
