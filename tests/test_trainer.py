@@ -517,6 +517,12 @@ def test_draft_config_flags_reach_the_draft_and_drafters_without_the_field_refus
         build_draft(target, make_args(tmp_path, algorithm="eagle3", num_anchors=None, ce_loss_alpha=0.5))
     with pytest.raises(ValueError, match="DFlash drafts have no Markov head"):
         build_draft(target, make_args(tmp_path, algorithm="dflash", markov_rank=8))
+    # CE alone still trains the confidence head: its targets come from the L1 distance, computed either way.
+    trainer = DraftTrainer(args=make_args(tmp_path, ce_loss_alpha=1.0, l1_loss_alpha=0.0),
+                           train_dataset=tokenized_rows(), target_model=target)  # fmt: skip
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 3 and all(math.isfinite(h["loss"]) and h["loss_conf"] > 0 for h in logged)
 
 
 def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
