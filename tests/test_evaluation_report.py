@@ -55,7 +55,7 @@ def results(drafts):
     rows, baselines, reliability = [], [], {}
     for temp in (0.0, 1.0):
         for data in ("gsm8k", "mt-bench"):
-            base = {"new_tokens": 400, "wall_time_s": 2.0, "tokens_per_s": 200.0}
+            base = _speed([_CallResult(new_tokens=400, seconds=2.0, longest=100, rows=6)])  # the real fields
             baselines.append({"dataset": data, "temperature": temp, "num_prompts": 6, **base})
             for name, draft in drafts.items():
                 calls = [synthetic_call(rng) for _ in range(6)]
@@ -174,6 +174,10 @@ def test_results_markdown_tables(results):
     assert "## Confidence calibration" in md and "### dspark / gsm8k / T=0: per slot" in md
     assert "dflash / gsm8k" not in md.split("## Confidence calibration")[1]
     assert "the first 6 prompts of each file" in md and "`hf-dspark eval --draft a --data gsm8k.jsonl`" in md
+    # The target alone's step cost and row fill, beside its tokens/s (why greedy and T = 1 baselines differ).
+    base = next(b for b in results.baselines if b["dataset"] == "gsm8k" and b["temperature"] == 0.0)
+    step, fill = base["ms_per_longest_row_token"], base["row_fill"]
+    assert f"| target alone, ms a step / row fill | {step:.1f} / {fill:.2f} |" in md and "row fill:" in md
 
 
 def test_static_path_note_names_the_compiled_baseline_when_it_ran(results):

@@ -49,6 +49,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
+def _step_and_fill(baseline: dict) -> str:
+    step, fill = baseline.get("ms_per_longest_row_token"), baseline.get("row_fill")
+    if step is None or fill is None or not (math.isfinite(step) and math.isfinite(fill)):
+        return "–"
+    return f"{step:.1f} / {fill:.2f}"
+
+
 def results_markdown(results) -> str:
     rows, settings = results.rows, results.settings
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
@@ -93,6 +100,13 @@ def results_markdown(results) -> str:
             f"- the drafts verified through the static path ({how}, generate()'s default on CUDA); the target "
             f"alone ran eagerly, so part of the speedup is the graphs ({compared})"
         )
+    if any("row_fill" in b for b in results.baselines):
+        out.append(
+            "- target alone, ms a step / row fill: wall time per step of each batch's longest row, and the share of "
+            "the batch's row-steps that produced a counted token (a batch steps until its longest row stops, so "
+            "rows ending early lower tokens/s without making a step dearer; greedy rows that loop to the token cap "
+            "often do)"
+        )
     if settings.get("static_cache_len"):
         out.append(
             f"- static-cache target: one StaticCache length ({settings['static_cache_len']} tokens) for every call of "
@@ -121,6 +135,13 @@ def results_markdown(results) -> str:
             + ["" for _ in datasets]
             + [""]
         )
+        if any("row_fill" in b for b in results.baselines):
+            table.append(
+                ["target alone, ms a step / row fill"]
+                + [_step_and_fill(base.get((d, temp), {})) for d in datasets]
+                + ["" for _ in datasets]
+                + [""]
+            )
         if any("static_cache" in b for b in results.baselines):
             table.append(
                 ["target alone, static cache, tokens/s"]
