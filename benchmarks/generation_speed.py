@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import hardware  # noqa: E402
 
 from hf_dspark.data.prompts import count_new_tokens, eos_token_ids, new_token_lengths
+from hf_dspark.metrics import batched_decoding_speed
 from hf_dspark.evaluation.static_baseline import StaticTargetBaseline
 
 
@@ -256,6 +257,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
             base = Row("target", batch_size, temperature)
             common = (target, prompts, batch_size, temperature, args, pad_id, eos_ids)
             base.new_tokens, base.seconds, reference, _ = run_method(*common)
+            step_cost(base, reference, eos_ids)
             add(base)
             if static is not None:
                 # transformers' own fast path, the baseline that matters: timed right after the eager target, so a
@@ -265,6 +267,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                 row.new_tokens, row.seconds, outputs, _ = run_method(*common, static=static)
                 row.extra.update(static.record())
                 row.note = f"static cache of {static.cache_len} for the run, compiled in untimed warm-ups"
+                step_cost(row, outputs, eos_ids)
                 if temperature == 0:
                     greedy_agreement(row, outputs, reference, eos_ids)
                 add(row)
@@ -303,6 +306,17 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                     add(row)
             add(hf_dflash_row(*common, hf_dflash, hf_dflash_note))
     return rows
+
+
+def step_cost(row: Row, outputs, eos_ids) -> None:
+    """A target-alone row's cost of one step and row fill (`metrics.batched_decoding_speed`): its tokens/s also
+    depends on how many rows of each batch ended before the longest, which greedy and sampled text differ in."""
+    lengths = [new_token_lengths(out, eos_ids) for out in outputs]
+    batches = [(int(n.max()), n.numel()) for n in lengths if n.numel()]
+    speed = batched_decoding_speed(row.new_tokens, row.seconds, batches)
+    row.extra.update(ms_per_step=speed["ms_per_longest_row_token"], row_fill=speed["row_fill"])
+    cost = f"{speed['ms_per_longest_row_token']:.2f} ms a step, row fill {speed['row_fill']:.2f}"
+    row.note = f"{row.note}; {cost}" if row.note else cost
 
 
 def round_costs(row: Row, base: Row, stats, batch_size: int) -> None:

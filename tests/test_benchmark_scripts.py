@@ -43,6 +43,11 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     assert [r["static_cache_len"] for r in static] == [256] * 4
     assert [r["static_warmup_calls"] for r in static] == [1, 2, 2, 2]
     assert [r["static_cache_batch_shapes"] for r in static] == [[1], [1, 4], [1, 4], [1, 4]]
+    # The target-alone rows give the cost of a step and the row fill their tokens/s came from.
+    for row in (r for r in rows if r["method"] in ("target", "target+static-cache")):
+        assert row["ms_per_step"] > 0 and 0 < row["row_fill"] <= 1, row
+        steps = row["new_tokens"] / row["row_fill"] / row["batch_size"]  # full batches: slots = batch size x steps
+        assert row["ms_per_step"] == pytest.approx(1e3 * row["seconds"] / steps, rel=1e-6), row
     text = profile.read_text()
     assert "per new token" in text
     # The draft's call: operators per round in each phase of the decoding loop, every phase present.

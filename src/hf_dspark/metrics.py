@@ -7,6 +7,8 @@ Training logs, `generate()` statistics and the evaluation command all call these
   fraction where slot k was accepted.
 - verify efficiency: committed tokens / tokens fed to the target in verification forwards.
 - calibration: ECE, AUROC and Brier score of a predicted probability against a 0/1 outcome.
+- decoding speed of batched generate() calls: tokens/s, the cost of one step (wall time over the steps the
+  batches took, each as long as its longest row) and row fill (counted tokens over rows x steps).
 """
 
 from __future__ import annotations
@@ -132,6 +134,25 @@ def _to_numpy(x) -> np.ndarray:
     if torch.is_tensor(x):
         return x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def batched_decoding_speed(new_tokens: int, seconds: float, batches) -> dict:
+    """Throughput of batched generate() calls and the cost of one decoding step. `batches`: (longest row's new
+    tokens, rows) per call. A batch steps until its longest row stops, so rows that end early (greedy answers
+    beside one caught in a loop) lower tokens/s while each step costs the same: `ms_per_longest_row_token` is the
+    step's cost, `row_fill` the share of the decoded row-steps that produced a counted token (1.0 when rows end
+    together)."""
+    steps = sum(longest for longest, _ in batches)
+    slots = sum(longest * rows for longest, rows in batches)
+    nan = float("nan")
+    return {
+        "new_tokens": new_tokens,
+        "wall_time_s": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds else nan,
+        "longest_row_tokens": steps,
+        "ms_per_longest_row_token": 1e3 * seconds / steps if steps else nan,
+        "row_fill": new_tokens / slots if slots else nan,
+    }
 
 
 def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:
@@ -387,6 +408,7 @@ def _survival_arrays(records, num_slots: int):
 
 
 __all__ = [
+    "batched_decoding_speed",
     "wilson_interval",
     "AcceptanceStats",
     "training_acceptance_estimates",

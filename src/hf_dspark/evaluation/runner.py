@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .calibration import calibration_summary, uncalibrate_records
-from ..metrics import AcceptanceStats
+from ..metrics import AcceptanceStats, batched_decoding_speed
 from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad, new_token_lengths  # noqa: F401 (count_new_tokens: re-exported)
 from ..resources import load_target
@@ -456,20 +456,10 @@ def _teacher_forced(draft, target, target_calls: list[_CallResult], batch_size: 
 
 
 def _speed(calls: list[_CallResult]) -> dict:
-    """Throughput, and the cost of one decoding step: wall time over the longest row's output per batch (the
-    number of target steps target.generate() takes), which does not depend on how unequal the rows' lengths are."""
-    tokens = sum(c.new_tokens for c in calls)
-    seconds = sum(c.seconds for c in calls)
-    steps = sum(c.longest for c in calls)
-    return {
-        "new_tokens": tokens,
-        "wall_time_s": seconds,
-        "tokens_per_s": tokens / seconds if seconds else float("nan"),
-        "longest_row_tokens": steps,
-        "ms_per_longest_row_token": 1e3 * seconds / steps if steps else float("nan"),
-        # Counted tokens over the slots the batches decoded (rows x longest row): 1.0 when rows end together.
-        "row_fill": tokens / slots if (slots := sum(c.longest * c.rows for c in calls)) else float("nan"),
-    }
+    """Throughput and the cost of one decoding step of these calls (`metrics.batched_decoding_speed`)."""
+    return batched_decoding_speed(
+        sum(c.new_tokens for c in calls), sum(c.seconds for c in calls), [(c.longest, c.rows) for c in calls]
+    )
 
 
 def _total(values):
