@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import hardware  # noqa: E402
 
 from hf_dspark import DSparkConfig, DSparkModel
+from hf_dspark.training.arguments import draft_layer_compile_blocker
 from hf_dspark.training.compiled_layers import compiled_draft_layers
 from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
 from hf_dspark.models.anchors import sample_anchors
@@ -138,7 +139,9 @@ def main(argv=None):
     if args.compile_loss is None:
         args.compile_loss = cuda
     if args.compile_draft_layers is None:
-        args.compile_draft_layers = cuda and not args.gradient_checkpointing
+        # The trainer's rule (this loop has neither DeepSpeed nor FSDP).
+        blocker = draft_layer_compile_blocker(args.gradient_checkpointing, False, False)
+        args.compile_draft_layers = cuda and blocker is None
     draft, seq_len = build(args)
     cfg = draft.config
     dtype = getattr(torch, args.dtype)
