@@ -89,6 +89,8 @@ def build(args):
         max_position_embeddings=max(40_960, seq_len + 16),
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
+        ce_loss_alpha=0.1,  # the reference implementation's mix, which the comparison runs
+        l1_loss_alpha=0.9,
     )
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)

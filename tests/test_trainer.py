@@ -506,11 +506,11 @@ def test_draft_config_flags_reach_the_draft_and_drafters_without_the_field_refus
     """--markov_rank / --ce_loss_alpha / --l1_loss_alpha set the draft's config (unset: the drafter's own defaults);
     a drafter without the field refuses the flag naming why, rather than training something else."""
     target = make_tiny_target("llama")
-    draft = build_draft(target, make_args(tmp_path, markov_rank=16, ce_loss_alpha=0.5, l1_loss_alpha=0.5))
-    assert (draft.config.markov_rank, draft.config.ce_loss_alpha, draft.config.l1_loss_alpha) == (16, 0.5, 0.5)
+    draft = build_draft(target, make_args(tmp_path, markov_rank=16, ce_loss_alpha=0.2, l1_loss_alpha=0.8))
+    assert (draft.config.markov_rank, draft.config.ce_loss_alpha, draft.config.l1_loss_alpha) == (16, 0.2, 0.8)
     assert draft.markov_head.markov_w1.weight.shape[1] == 16  # the head is built at that rank
     plain = build_draft(target, make_args(tmp_path)).config
-    assert (plain.markov_rank, plain.ce_loss_alpha, plain.l1_loss_alpha) == (256, 0.1, 0.9)
+    assert (plain.markov_rank, plain.ce_loss_alpha, plain.l1_loss_alpha) == (256, 0.5, 0.5)
     dflash = build_draft(target, make_args(tmp_path, algorithm="dflash", l1_loss_alpha=0.5)).config
     assert (dflash.ce_loss_alpha, dflash.l1_loss_alpha) == (1.0, 0.5)
     with pytest.raises(ValueError, match="ce_loss_alpha does not apply to eagle3"):

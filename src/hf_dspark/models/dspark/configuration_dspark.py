@@ -22,7 +22,9 @@ class DSparkConfig(DraftConfig):
         enable_confidence_head (`bool`, defaults to True): predict c_k = P(slot k accepted | slots < k accepted).
         confidence_head_with_markov (`bool`, defaults to True): feed W1[x_{k-1}] to the confidence head too.
         confidence_temperatures (`list[float]`, *optional*): per-slot STS temperatures applied to confidence logits.
-        ce_loss_alpha, l1_loss_alpha, confidence_head_alpha (`float`): loss weights (0.1, 0.9, 1.0).
+        ce_loss_alpha, l1_loss_alpha, confidence_head_alpha (`float`): loss weights (0.5, 0.5, 1.0). The paper's
+            reference mix is (0.1, 0.9, 1.0); at equal training time on SmolLM2 the even mix decoded a higher τ
+            (benchmarks/results/dspark_loss_mix_smollm2_8min.json).
         loss_decay_gamma (`float`, defaults to 4.0): slot weights w_k = exp(-(k-1)/loss_decay_gamma).
     """
 
@@ -36,8 +38,8 @@ class DSparkConfig(DraftConfig):
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
-    ce_loss_alpha: float = 0.1
-    l1_loss_alpha: float = 0.9
+    ce_loss_alpha: float = 0.5
+    l1_loss_alpha: float = 0.5
     confidence_head_alpha: float = 1.0
     loss_decay_gamma: float = 4.0
 
