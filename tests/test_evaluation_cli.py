@@ -213,3 +213,50 @@ def test_drafts_warm_up_again_at_each_temperature(workdir, tmp_path, monkeypatch
     evaluate_drafts(target, tokenizer, {"dspark": draft}, [prompts], max_new_tokens=4, batch_size=1,
                     temperature=[0, 1], progress=False, plots=False, teacher_forced=False)  # fmt: skip
     assert draft_calls == [False, False, True, True]  # per temperature: the warm-up, then the timed prompt
+
+
+def test_a_timed_call_that_compiled_is_timed_again_warm(workdir, monkeypatch):
+    """A timed call that compiled (or captured a CUDA graph) inside its timing is run again with the same seed and
+    its warm timing kept; without the warm-up nothing is rerun, and the row and the report say what the timing holds."""
+    import torch
+
+    from hf_dspark import evaluate_drafts
+    from hf_dspark.evaluation.report import results_markdown
+    from hf_dspark.resources import load_target
+
+    target, tokenizer = load_target(workdir / "target")
+    draft = DSparkModel.from_pretrained(workdir / "dspark")
+    generate = target.generate
+
+    def evaluate(compile_on_call, warmup):
+        draft_calls = []
+
+        def compiling_once(*args, **kwargs):
+            if kwargs.get("assistant_model") is not None:
+                draft_calls.append(1)
+                if len(draft_calls) == compile_on_call:  # a real torch.compile inside this generate() call
+                    torch.compiler.reset()  # (dynamo would reuse the lambda's code compiled in an earlier run)
+                    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+            return generate(*args, **kwargs)
+
+        monkeypatch.setattr(target, "generate", compiling_once)
+        results = evaluate_drafts(target, tokenizer, {"dspark": draft}, [workdir / "prompts.jsonl"], num_prompts=2,
+                                  max_new_tokens=6, batch_size=1, warmup=warmup, progress=False, plots=False,
+                                  teacher_forced=False)  # fmt: skip
+        return results, len(draft_calls)
+
+    clean, _ = evaluate(compile_on_call=0, warmup=True)
+    retimed, calls = evaluate(compile_on_call=2, warmup=True)  # call 1 is the warm-up, call 2 the first timed one
+    row, clean_row = retimed.rows[0], clean.rows[0]
+    assert calls == 4  # the warm-up, two timed prompts, the first of them once more
+    assert (row["retimed_calls"], row["compile_s_in_timing"], row["graph_captures_in_timing"]) == (1, 0, 0)
+    assert (row["tau"], row["new_tokens"]) == (clean_row["tau"], clean_row["new_tokens"])  # same seed, same outputs
+    assert clean_row["retimed_calls"] == 0 and retimed.baselines[0]["retimed_calls"] == 0
+    md = results_markdown(retimed)
+    assert "timed again" in md and "dspark, prompts, T = 0 (1)" in md and "still hold" not in md
+    assert "timed again" not in results_markdown(clean)
+
+    unwarmed, calls = evaluate(compile_on_call=1, warmup=False)
+    row = unwarmed.rows[0]
+    assert calls == 2 and row["retimed_calls"] == 0 and row["compile_s_in_timing"] > 0
+    assert "timings that still hold one-time work" in results_markdown(unwarmed)

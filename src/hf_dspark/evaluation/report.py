@@ -56,6 +56,26 @@ def _step_and_fill(baseline: dict) -> str:
     return f"{step:.1f} / {fill:.2f}"
 
 
+def _timing_notes(results) -> list[str]:
+    """Bullets naming the timings that were taken twice (their first run compiled or captured a graph) and any that
+    still hold such one-time work; none when every timed call was warm."""
+    labelled = [(f"target alone, {b['dataset']}, T = {b['temperature']:g}", b) for b in results.baselines]
+    labelled += [(f"target alone (static cache), {b['dataset']}, T = {b['temperature']:g}", b["static_cache"])
+                 for b in results.baselines if b.get("static_cache")]  # fmt: skip
+    labelled += [(f"{r['drafter']}, {r['dataset']}, T = {r['temperature']:g}", r) for r in results.rows]
+    retimed = [f"{name} ({m['retimed_calls']})" for name, m in labelled if m.get("retimed_calls")]
+    dirty = [f"{name} ({m.get('compile_s_in_timing') or 0:.1f} s compiling, {m.get('graph_captures_in_timing') or 0} "
+             "graphs captured)" for name, m in labelled
+             if m.get("compile_s_in_timing") or m.get("graph_captures_in_timing")]  # fmt: skip
+    out = []
+    if retimed:
+        out.append("- timed again (the first timing compiled or captured a CUDA graph the warm-up had not reached; "
+                   "the call was rerun with the same seed and its warm timing kept), calls: " + "; ".join(retimed))
+    if dirty:
+        out.append("- **timings that still hold one-time work** (their speed is understated): " + "; ".join(dirty))
+    return out
+
+
 def results_markdown(results) -> str:
     rows, settings = results.rows, results.settings
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
@@ -113,6 +133,7 @@ def results_markdown(results) -> str:
             f"- static-cache target: one StaticCache length ({settings['static_cache_len']} tokens) for every call of "
             "the run, generate()'s compiled step warmed up once per batch shape, untimed"
         )
+    out += _timing_notes(results)
     if settings.get("generate_kwargs"):
         out.append(f"- draft generate() options: `{json.dumps(settings['generate_kwargs'])}`")
     if results.command:

@@ -36,6 +36,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_callback import ProgressCallback
 
+from ..compilation import compile_report, compile_seconds, compile_seconds_since, keep_compilation_records
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..metrics import decoding_walk_estimates
 from ..models.anchors import anchor_candidates, sample_anchors
@@ -479,7 +480,7 @@ class DraftTrainer(Trainer):
             logs["planned_steps"] = self.deadline.planned_steps
         if self._train_started is not None:
             logs["elapsed_s"] = round(time.monotonic() - self._train_started, 1)  # since this train() call began
-            logs["compile_s"] = round(compile_seconds() - self._compile_s_before, 1)  # new shapes compile mid-run
+            logs["compile_s"] = round(compile_seconds_since(self._compile_s_before), 1)  # new shapes compile mid-run
         if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
             # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
             steps = self.state.global_step
@@ -494,68 +495,6 @@ def _eval_prefix(logs: dict) -> str:
     eval_dataset (transformers logs each as f"{metric_key_prefix}_loss")."""
     named = [k[: -len("loss")] for k in logs if k.startswith("eval_") and k.endswith("_loss")]
     return min(named, key=len) if named else "eval_"
-
-
-# torch.compile's own timers: each compilation of a frame (forward graphs) and each lazy backward compilation.
-_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
-
-
-def compile_seconds() -> float:
-    """Seconds this process has spent compiling with torch.compile so far (dynamo + inductor, forward and lazy
-    backward), from torch's own timers; 0 where they are unavailable."""
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-    except ImportError:  # a torch without them: the logs then show 0
-        return 0.0
-    return float(sum(sum(compilation_time_metrics.get(name, ())) for name in _COMPILE_TIMERS))
-
-
-def keep_compilation_records() -> int:
-    """Let dynamo keep a record of every compilation of the run (it keeps the last 64 by default); returns the
-    current time in microseconds, the mark `compile_report` counts from."""
-    try:
-        from torch._dynamo.utils import get_compilation_metrics, set_compilation_metrics_limit
-
-        set_compilation_metrics_limit(max(4096, len(get_compilation_metrics())))
-    except ImportError:  # a torch without per-compilation records: the report is then empty
-        pass
-    return time.time_ns() // 1000
-
-
-def compile_report(since_us: int) -> dict:
-    """torch.compile's work since `since_us`, from dynamo's per-compilation records, grouped by compiled function
-    (name and source line, forward and backward graphs): count, seconds, when the first one started (seconds after
-    the mark) and the recompilation reasons dynamo gave (shape changes, guard failures). Sorted by seconds."""
-    try:
-        from torch._dynamo.utils import get_compilation_metrics
-    except ImportError:
-        return {"total_s": 0.0, "compilations": 0, "frames": []}
-    groups: dict[tuple, dict] = {}
-    for record in get_compilation_metrics():
-        start = getattr(record, "start_time_us", None) or 0
-        if start < since_us:
-            continue
-        name = getattr(record, "co_name", None) or "(graph without a frame: a lazy backward)"
-        filename = getattr(record, "co_filename", None)
-        where = f"{Path(filename).name}:{getattr(record, 'co_firstlineno', '?')}" if filename else ""
-        backward = getattr(record, "is_forward", True) is False
-        entry = groups.setdefault((name, where, backward), {
-            "function": name, "where": where, "graph": "backward" if backward else "forward", "count": 0,
-            "seconds": 0.0, "first_at_s": round((start - since_us) / 1e6, 1), "reasons": [],
-        })  # fmt: skip
-        entry["count"] += 1
-        entry["seconds"] += (getattr(record, "duration_us", None) or 0) / 1e6
-        reason = getattr(record, "recompile_reason", None)
-        if reason and reason not in entry["reasons"] and len(entry["reasons"]) < 5:
-            entry["reasons"].append(reason)
-    frames = sorted(groups.values(), key=lambda f: -f["seconds"])
-    for frame in frames:
-        frame["seconds"] = round(frame["seconds"], 2)
-    return {
-        "total_s": round(sum(f["seconds"] for f in frames), 1),
-        "compilations": sum(f["count"] for f in frames),
-        "frames": frames,
-    }
 
 
 class SeededLengthGroupedSampler(torch.utils.data.Sampler):

@@ -1,0 +1,80 @@
+"""What torch.compile cost this process: seconds so far from its own timers, and a per-function report of the
+compilations since a mark. Training logs them (`compile_s`, compile_report.json); evaluation checks that no timed
+call compiled."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+# torch.compile's own timers: each compilation of a frame (forward graphs) and each lazy backward compilation.
+_COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling with torch.compile so far (dynamo + inductor, forward and lazy
+    backward), from torch's own timers; 0 where they are unavailable."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # a torch without them: the logs then show 0
+        return 0.0
+    return float(sum(sum(compilation_time_metrics.get(name, ())) for name in _COMPILE_TIMERS))
+
+
+def compile_seconds_since(before: float) -> float:
+    """torch.compile seconds since `compile_seconds()` read `before`. `torch.compiler.reset()` empties the timers:
+    if they now hold less, the reset came after the mark and all they hold was compiled since."""
+    now = compile_seconds()
+    return now - before if now >= before else now
+
+
+def keep_compilation_records() -> int:
+    """Let dynamo keep a record of every compilation of the run (it keeps the last 64 by default); returns the
+    current time in microseconds, the mark `compile_report` counts from."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics, set_compilation_metrics_limit
+
+        set_compilation_metrics_limit(max(4096, len(get_compilation_metrics())))
+    except ImportError:  # a torch without per-compilation records: the report is then empty
+        pass
+    return time.time_ns() // 1000
+
+
+def compile_report(since_us: int) -> dict:
+    """torch.compile's work since `since_us`, from dynamo's per-compilation records, grouped by compiled function
+    (name and source line, forward and backward graphs): count, seconds, when the first one started (seconds after
+    the mark) and the recompilation reasons dynamo gave (shape changes, guard failures). Sorted by seconds."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:
+        return {"total_s": 0.0, "compilations": 0, "frames": []}
+    groups: dict[tuple, dict] = {}
+    for record in get_compilation_metrics():
+        start = getattr(record, "start_time_us", None) or 0
+        if start < since_us:
+            continue
+        name = getattr(record, "co_name", None) or "(graph without a frame: a lazy backward)"
+        filename = getattr(record, "co_filename", None)
+        where = f"{Path(filename).name}:{getattr(record, 'co_firstlineno', '?')}" if filename else ""
+        backward = getattr(record, "is_forward", True) is False
+        entry = groups.setdefault((name, where, backward), {
+            "function": name, "where": where, "graph": "backward" if backward else "forward", "count": 0,
+            "seconds": 0.0, "first_at_s": round((start - since_us) / 1e6, 1), "reasons": [],
+        })  # fmt: skip
+        entry["count"] += 1
+        entry["seconds"] += (getattr(record, "duration_us", None) or 0) / 1e6
+        reason = getattr(record, "recompile_reason", None)
+        if reason and reason not in entry["reasons"] and len(entry["reasons"]) < 5:
+            entry["reasons"].append(reason)
+    frames = sorted(groups.values(), key=lambda f: -f["seconds"])
+    for frame in frames:
+        frame["seconds"] = round(frame["seconds"], 2)
+    return {
+        "total_s": round(sum(f["seconds"] for f in frames), 1),
+        "compilations": sum(f["count"] for f in frames),
+        "frames": frames,
+    }
+
+
+__all__ = ["compile_report", "compile_seconds", "compile_seconds_since", "keep_compilation_records"]
