@@ -25,7 +25,9 @@ Compares, on the same prompts and settings, at each batch size and temperature:
                 DeepSpec's slot convention and cannot run there)
 
 Timing: one warm-up call per method and batch shape, then every prompt batch timed with CUDA-synchronized wall
-clock. Generated tokens are counted up to and including each row's first EOS. Prints a table last and writes JSON
+clock. A timed call that compiled or captured a CUDA graph (a shape the warm-ups missed) runs again from the same
+random state and its warm timing is kept; rows record `retimed_calls` and any one-time work left in their timings
+(`compile_s_in_timing`, `graph_captures_in_timing`; the note says so). Generated tokens are counted up to and including each row's first EOS. Prints a table last and writes JSON
 (command, hardware, versions, rows).
 
 GPU:   python benchmarks/generation_speed.py --draft dspark=runs/dspark --draft eagle3=runs/eagle3 \
@@ -48,7 +50,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import hardware  # noqa: E402
 
+from hf_dspark.compilation import one_time_work_mark, one_time_work_since
 from hf_dspark.data.prompts import count_new_tokens, eos_token_ids, new_token_lengths
+from hf_dspark.evaluation.runner import TIMING_CHECKS
 from hf_dspark.metrics import batched_decoding_speed
 from hf_dspark.evaluation.static_baseline import StaticTargetBaseline
 
@@ -181,9 +185,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, draft=None, extra=None, static=None):
-    """Generate every prompt batch once (after one warm-up batch per batch shape): (tokens, seconds, outputs, merged
-    stats). `static`: a StaticTargetBaseline, whose fixed-length StaticCache each call of the target alone uses."""
+def run_method(row, target, prompts, batch_size, temperature, args, pad_id, eos_ids, draft=None, extra=None,
+               static=None):
+    """Generate every prompt batch once (after one warm-up batch per batch shape) into `row` (new tokens, seconds,
+    the timing checks of `hf_dspark.evaluation.runner.TIMING_CHECKS`): (outputs, merged stats). `static`: a
+    StaticTargetBaseline, whose fixed-length StaticCache each call of the target alone uses."""
     from hf_dspark.data.prompts import left_pad
 
     device = next(target.parameters()).device
@@ -215,16 +221,41 @@ def run_method(target, prompts, batch_size, temperature, args, pad_id, eos_ids, 
         for warm in [*{len(batches[0]): batches[0], len(batches[-1]): batches[-1]}.values(), longest]:
             timed_generate(warm)
     tokens, seconds, outputs, stats = 0, 0.0, [], None
+    checks = dict.fromkeys(TIMING_CHECKS, 0)
     torch.manual_seed(args.seed)
     for batch in batches:
+        mark, rng = one_time_work_mark(), _rng_state(device)
         ids, out, elapsed = timed_generate(batch)
+        compiled, captured = one_time_work_since(mark)
+        if compiled or captured:  # a shape the warm-ups missed: the same call again, same random state, now warm
+            _set_rng_state(device, rng)
+            mark = one_time_work_mark()
+            ids, out, elapsed = timed_generate(batch)
+            compiled, captured = one_time_work_since(mark)
+            checks["retimed_calls"] += 1
+        checks["compile_s_in_timing"] += compiled
+        checks["graph_captures_in_timing"] += captured
         seconds += elapsed
         tokens += count_new_tokens(out, ids.shape[1], eos_ids)
         outputs.append(out[:, ids.shape[1] :].cpu())
         if draft is not None and hasattr(draft, "last_generation_stats"):
             call = draft.last_generation_stats
             stats = call if stats is None else stats.merge(call)
-    return tokens, seconds, outputs, stats
+    row.new_tokens, row.seconds = tokens, seconds
+    row.extra.update(checks, compile_s_in_timing=round(checks["compile_s_in_timing"], 3))
+    if checks["compile_s_in_timing"] or checks["graph_captures_in_timing"]:
+        row.note = (row.note + "; " if row.note else "") + "timing holds one-time work (compile / graph capture)"
+    return outputs, stats
+
+
+def _rng_state(device: torch.device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def special_ids(target, tokenizer) -> tuple[int, list[int]]:
@@ -256,7 +287,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
         for batch_size in args.batch_sizes:
             base = Row("target", batch_size, temperature)
             common = (target, prompts, batch_size, temperature, args, pad_id, eos_ids)
-            base.new_tokens, base.seconds, reference, _ = run_method(*common)
+            reference, _ = run_method(base, *common)
             step_cost(base, reference, eos_ids)
             add(base)
             if static is not None:
@@ -264,7 +295,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                 # run stopped early still holds it beside the rows before the stop. A static cache, whose decoding
                 # step generate() compiles where it can (untimed warm-ups); one cache length for the run (docstring).
                 row = Row("target+static-cache", batch_size, temperature)
-                row.new_tokens, row.seconds, outputs, _ = run_method(*common, static=static)
+                outputs, _ = run_method(row, *common, static=static)
                 row.extra.update(static.record())
                 row.note = f"static cache of {static.cache_len} for the run, compiled in untimed warm-ups"
                 step_cost(row, outputs, eos_ids)
@@ -286,7 +317,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                 for label, extra in variants:
                     row = Row(label, batch_size, temperature)
                     try:
-                        row.new_tokens, row.seconds, outputs, stats = run_method(*common, draft, extra)
+                        outputs, stats = run_method(row, *common, draft, extra)
                     except Exception as error:  # noqa: BLE001
                         if label == name:  # the default path must work; a compared path may fail on some hardware
                             raise
@@ -340,9 +371,7 @@ def prompt_lookup_row(target, prompts, batch_size, temperature, args, pad_id, eo
         row.note = "skipped: transformers' assisted decoding (prompt lookup) supports batch size 1 only"
         return row
     extra = {"prompt_lookup_num_tokens": args.prompt_lookup_tokens}
-    row.new_tokens, row.seconds, outputs, _ = run_method(
-        target, prompts, 1, temperature, args, pad_id, eos_ids, None, extra
-    )
+    outputs, _ = run_method(row, target, prompts, 1, temperature, args, pad_id, eos_ids, None, extra)
     if temperature == 0:
         greedy_agreement(row, outputs, reference, eos_ids)
     return row
@@ -400,7 +429,7 @@ def hf_dflash_row(target, prompts, batch_size, temperature, args, pad_id, eos_id
         return row
     # The draft is not an hf_dspark model, so generate() goes to transformers untouched.
     extra = {"speculation_type": "dflash"}
-    row.new_tokens, row.seconds, _, _ = run_method(target, prompts, 1, temperature, args, pad_id, eos_ids, model, extra)
+    run_method(row, target, prompts, 1, temperature, args, pad_id, eos_ids, model, extra)
     return row
 
 

@@ -34,6 +34,8 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
         if row["note"].startswith("skipped"):
             continue
         assert row["new_tokens"] > 0 and row["tokens_per_second"] > 0, row
+        # The warm-ups (and any retiming) leave no compilation or graph capture inside a kept timing.
+        assert (row["compile_s_in_timing"], row["graph_captures_in_timing"]) == (0, 0), row
         if row["temperature"] == 0 and row["method"] != "target":
             # float32 on CPU: every greedy decoding path reproduces target.generate() exactly.
             assert row["matches_target"] is True, row
@@ -53,6 +55,39 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     # The draft's call: operators per round in each phase of the decoding loop, every phase present.
     phases = dict(line.split(" | ")[:2] for line in text.split("by phase of the round")[1].splitlines()[3:] if line)
     assert {f"| {name}" for name in PHASES} <= set(phases)
+
+
+def test_a_timed_call_that_compiled_runs_again_from_the_same_random_state(generation_speed, monkeypatch):
+    """A timed call that compiled inside its timing is run again warm and kept; sampled, the rerun starts from the
+    same random state, so the outputs are those of a run without the compile."""
+    import torch
+
+    args = generation_speed.parse_args(["--smoke", "--device", "cpu", "--dtype", "float32", "--num-prompts", "3"])
+    target, _, drafts, prompts = generation_speed.smoke_setup(args, torch.device("cpu"), torch.float32)
+    generate = target.generate
+
+    def measure(compile_on_call):
+        calls = []
+
+        def compiling_once(*a, **k):
+            calls.append(1)
+            if len(calls) == compile_on_call:
+                torch.compiler.reset()  # (dynamo would reuse the lambda's code compiled in an earlier run)
+                torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+            return generate(*a, **k)
+
+        monkeypatch.setattr(target, "generate", compiling_once)
+        row = generation_speed.Row("dspark", 1, 1.0)
+        outputs, _ = generation_speed.run_method(row, target, prompts, 1, 1.0, args, 0, [2], drafts["dspark"])
+        return row, outputs, len(calls)
+
+    clean, clean_outputs, _ = measure(compile_on_call=0)
+    # Warm-ups: the first batch (every batch has one prompt here) and the longest; call 3 is the first timed one.
+    row, outputs, calls = measure(compile_on_call=3)
+    assert calls == 3 + len(prompts)  # two warm-ups, the timed prompts, the first of them once more
+    assert row.extra["retimed_calls"] == 1 and clean.extra["retimed_calls"] == 0
+    assert (row.extra["compile_s_in_timing"], row.extra["graph_captures_in_timing"]) == (0, 0)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, clean_outputs)) and row.new_tokens == clean.new_tokens
 
 
 def test_compare_paths_takes_a_subset(generation_speed, tmp_path):

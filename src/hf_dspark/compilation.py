@@ -1,6 +1,7 @@
-"""What torch.compile cost this process: seconds so far from its own timers, and a per-function report of the
-compilations since a mark. Training logs them (`compile_s`, compile_report.json); evaluation checks that no timed
-call compiled."""
+"""One-time work this process did: torch.compile (seconds from its own timers, and a per-function report of the
+compilations since a mark) and CUDA graph captures (counted by `generation.cuda_graphs.capture`). Training logs
+the compile time (`compile_s`, compile_report.json); evaluation and the speed benchmark check that no timed call did
+either (`one_time_work_since`)."""
 
 from __future__ import annotations
 
@@ -77,4 +78,37 @@ def compile_report(since_us: int) -> dict:
     }
 
 
-__all__ = ["compile_report", "compile_seconds", "compile_seconds_since", "keep_compilation_records"]
+_graph_captures = 0
+
+
+def count_graph_capture() -> None:
+    """Called by the one function that captures CUDA graphs (`generation.cuda_graphs.capture`)."""
+    global _graph_captures
+    _graph_captures += 1
+
+
+def graph_captures() -> int:
+    """CUDA graphs captured by this process so far."""
+    return _graph_captures
+
+
+def one_time_work_mark() -> tuple[float, int]:
+    """A mark for `one_time_work_since`: (compile seconds, graph captures) so far."""
+    return compile_seconds(), graph_captures()
+
+
+def one_time_work_since(mark: tuple[float, int]) -> tuple[float, int]:
+    """(torch.compile seconds, CUDA graphs captured) since `mark`: what a timed call spent on one-time work."""
+    return compile_seconds_since(mark[0]), graph_captures() - mark[1]
+
+
+__all__ = [
+    "compile_report",
+    "compile_seconds",
+    "compile_seconds_since",
+    "count_graph_capture",
+    "graph_captures",
+    "keep_compilation_records",
+    "one_time_work_mark",
+    "one_time_work_since",
+]

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 
 from .calibration import calibration_summary, uncalibrate_records
-from ..compilation import compile_seconds, compile_seconds_since
-from ..generation.cuda_graphs import graph_captures
+from ..compilation import one_time_work_mark, one_time_work_since
 from ..metrics import AcceptanceStats, batched_decoding_speed
 from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad, new_token_lengths  # noqa: F401 (count_new_tokens: re-exported)
@@ -192,13 +191,13 @@ def _generate(target, inputs, generation_config, eos_ids, draft=None, generate_k
         extra["assistant_model"] = draft
     if static is not None:  # the static-cache baseline's cache for this batch shape, emptied outside the timer
         extra.update(static.generate_kwargs(inputs["input_ids"]))
-    compiled, captured = compile_seconds(), graph_captures()
+    mark = one_time_work_mark()
     _synchronize(device)
     start = time.perf_counter()
     output = target.generate(**inputs, generation_config=generation_config, **extra)
     _synchronize(device)
     seconds = time.perf_counter() - start
-    compiled, captured = compile_seconds_since(compiled), graph_captures() - captured
+    compiled, captured = one_time_work_since(mark)
     sequences = output.sequences if hasattr(output, "sequences") else output
     lengths = new_token_lengths(sequences[:, inputs["input_ids"].shape[1] :], eos_ids)
     result = _CallResult(

@@ -8,14 +8,9 @@ import logging
 
 import torch
 
+from ..compilation import count_graph_capture
+
 logger = logging.getLogger(__name__)
-
-_captures = 0  # graphs captured by this process: evaluation checks that none was captured inside a timed call
-
-
-def graph_captures() -> int:
-    """How many CUDA graphs `capture` has captured in this process so far."""
-    return _captures
 
 
 def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
@@ -33,8 +28,7 @@ def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         outputs = fn()
-    global _captures
-    _captures += 1
+    count_graph_capture()
     return graph, outputs
 
 
@@ -81,4 +75,4 @@ def kept_runner(registry, owner, key, capacity: int, capacity_of, build):
     return runner
 
 
-__all__ = ["CAPACITY_STEP", "capture", "graph_captures", "capture_or_uncompiled", "captured_or_warned", "kept_runner"]
+__all__ = ["CAPACITY_STEP", "capture", "capture_or_uncompiled", "captured_or_warned", "kept_runner"]
