@@ -257,8 +257,9 @@ def main(argv=None) -> dict:
     (root / "ablations.json").write_text(json.dumps(report, indent=2))
     plot_curves(results, root / "ablations.png")
     # The walked values count rounds as decoding runs them (the all-anchor means overstate decoding on loops).
+    decoded = report.get("decoding_eval", {}).get("mean_tau", {})
     print("| variant | flags | last step | s/step | compile s | held-out τ_prob / τ_greedy "
-          "| walked as decoding, prob / greedy |\n|---|---|---|---|---|---|---|")  # fmt: skip
+          "| walked as decoding, prob / greedy | decoded mean τ, T 0 / 1 |\n" + "|---" * 8 + "|")
     nan = float("nan")
     for name, r in results.items():
         last = r["held_out"][-1] if r["held_out"] else {}
@@ -269,8 +270,10 @@ def main(argv=None) -> dict:
                         for p in held_out_sets(last)) or "-"  # fmt: skip
         walked = "; ".join(f"{label(p)}{last.get(p + 'tau_walk_prob', nan):.3f} / "
                            f"{last.get(p + 'tau_walk_greedy', nan):.3f}" for p in held_out_sets(last)) or "-"  # fmt: skip
+        means = decoded.get(name, {})
+        mean = " / ".join(f"{means[t]:.2f}" if t in means else "-" for t in ("T0", "T1")) if means else "-"
         print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | {rate} | {compiled} | "
-              f"{tau} | {walked} |")
+              f"{tau} | {walked} | {mean} |")
     return report
 
 
@@ -296,7 +299,18 @@ def decoding_eval(args, root: Path, results: dict) -> dict:
         for row in json.loads((out / "results.json").read_text())["results"]:
             tau.setdefault(row["drafter"], {})[f"{row['dataset']}@T{row['temperature']:g}"] = row["tau"]
     print(f"decoding eval (rc {code}): " + "; ".join(f"{k}: {v}" for k, v in tau.items()), flush=True)
-    return {"command": " ".join(cmd[1:]), "returncode": code, "tau": tau}
+    return {"command": " ".join(cmd[1:]), "returncode": code, "tau": tau, "mean_tau": decoded_mean_tau(tau)}
+
+
+def decoded_mean_tau(tau: dict) -> dict:
+    """{variant: {"dataset@T0": τ, ...}} -> {variant: {"T0": mean over the datasets, ...}} (the README's means)."""
+    means: dict = {}
+    for name, cells in tau.items():
+        by_t: dict = {}
+        for key, value in cells.items():
+            by_t.setdefault(key.rpartition("@")[2], []).append(value)
+        means[name] = {t: sum(v) / len(v) for t, v in by_t.items()}
+    return means
 
 
 def plot_curves(results: dict, path: Path) -> None:

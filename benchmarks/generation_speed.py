@@ -27,8 +27,8 @@ Compares, on the same prompts and settings, at each batch size and temperature:
 Timing: one warm-up call per method and batch shape, then every prompt batch timed with CUDA-synchronized wall
 clock. A timed call that compiled or captured a CUDA graph (a shape the warm-ups missed) runs again from the same
 random state and its warm timing is kept; rows record `retimed_calls` and any one-time work left in their timings
-(`compile_s_in_timing`, `graph_captures_in_timing`; the note says so). Generated tokens are counted up to and including each row's first EOS. Prints a table last and writes JSON
-(command, hardware, versions, rows).
+(`compile_s_in_timing`, `graph_captures_in_timing`; the note says so). Generated tokens are counted up to and
+including each row's first EOS. Prints a table last and writes JSON (command, hardware, versions, rows).
 
 GPU:   python benchmarks/generation_speed.py --draft dspark=runs/dspark --draft eagle3=runs/eagle3 \
            --prompts ../shared/data/eval/mt-bench.jsonl --batch-sizes 1 16 --temperatures 0 1 --json bench.json
