@@ -35,7 +35,8 @@ def synthetic_call(rng, rounds=60, block=K, overconfidence=OVERCONFIDENCE, calib
     recorded = overconfidence * logits
     if calibrated_by is not None:
         recorded = recorded / np.asarray(calibrated_by)
-    stats.add_round(np.full(rounds, block), accepted, confidences=1 / (1 + np.exp(-recorded)))
+    requests = rng.integers(0, 3, size=rounds)  # three prompts in the call
+    stats.add_round(np.full(rounds, block), accepted, confidences=1 / (1 + np.exp(-recorded)), requests=requests)
     return _CallResult(
         new_tokens=int(accepted.sum() + rounds), seconds=0.5, stats=CallStats(stats, draft_time=0.1, verify_time=0.3)
     )
@@ -178,6 +179,14 @@ def test_results_markdown_tables(results):
     base = next(b for b in results.baselines if b["dataset"] == "gsm8k" and b["temperature"] == 0.0)
     step, fill = base["ms_per_longest_row_token"], base["row_fill"]
     assert f"| target alone, ms a step / row fill | {step:.1f} / {fill:.2f} |" in md and "row fill:" in md
+    # τ's 95% interval over prompts, per dataset and for the mean over datasets, which lies inside its bounds.
+    lo, hi = row["tau_ci95"]
+    assert row["requests"] == 6 * 3 and lo < row["tau"] < hi
+    line = next(x for x in md.splitlines() if x.startswith("| dspark, 95% interval (bootstrap over prompts) |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1] == f"{lo:.2f}-{hi:.2f}"
+    mean_lo, mean_hi = (float(v) for v in cells[-1].split("-"))
+    assert mean_lo < mean_tau < mean_hi
 
 
 def test_static_path_note_names_the_compiled_baseline_when_it_ran(results):

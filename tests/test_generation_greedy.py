@@ -135,6 +135,11 @@ def test_max_new_tokens_is_exact_and_never_overshot(max_new_tokens, path):
     # Verification never spends target compute on tokens past the budget: committed == verified prefix + 1.
     assert stats.acceptance.committed == stats.new_tokens - len(ids)
     assert stats.new_tokens == max_new_tokens * len(ids)
+    # Each request's rounds and tokens are recorded apart (τ's interval resamples requests): the first token of
+    # each comes from the prefill, the rest from rounds.
+    rounds, committed = stats.acceptance.per_request()
+    assert committed.tolist() == ([max_new_tokens - 1] * len(ids) if max_new_tokens > 1 else [])
+    assert rounds.sum() == stats.acceptance.rounds and (rounds >= 1).all()
 
 
 @pytest.mark.parametrize("static_target", [False, True], ids=["dynamic", "static-target"])

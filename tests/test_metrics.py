@@ -13,6 +13,7 @@ from hf_dspark.metrics import (
     slot_calibration_data,
     decoding_walk_estimates,
     training_acceptance_estimates,
+    tau_interval,
     wilson_interval,
 )
 
@@ -39,6 +40,43 @@ def test_merge_equals_one_accumulator():
     b.add_round([2], [0])
     both.add_round([3, 3, 2], [1, 3, 0])
     assert a.merge(b).to_dict() == both.to_dict()
+
+
+def test_requests_are_counted_apart_and_merged_calls_number_theirs_after():
+    a, b = AcceptanceStats(), AcceptanceStats()
+    a.add_round([3, 3], [1, 3], requests=[0, 1])
+    a.add_round([3], [2], requests=[1])
+    b.add_round([3, 3], [0, 0], requests=[0, 5])
+    assert [x.tolist() for x in a.per_request()] == [[1, 2], [2, 7]]
+    merged = a.merge(b)
+    rounds, committed = merged.per_request()
+    assert rounds.tolist() == [1, 2, 1, 1] and committed.tolist() == [2, 7, 1, 1]
+    assert rounds.sum() == merged.rounds and committed.sum() == merged.committed
+    assert merged.to_dict()["requests"] == 4
+    assert AcceptanceStats().to_dict()["tau_ci95"] is None  # no requests named: no interval
+
+
+def test_tau_interval_covers_the_true_tau_at_its_level():
+    """Requests of unequal difficulty (rounds within one are alike): the bootstrap over requests covers the
+    population τ in about 95% of repeated experiments."""
+    rng = np.random.default_rng(0)
+    trials, covered = 300, 0
+    true_tau = 1 + 0.5 * 3  # each request's acceptance rate is uniform on [0, 1]: mean τ over a 3-slot geometric
+    for trial in range(trials):
+        rounds = rng.integers(20, 40, size=24)
+        p = rng.uniform(0, 1, size=24)
+        committed = np.array([(1 + rng.binomial(3, q, size=n)).sum() for q, n in zip(p, rounds)])
+        lo, hi = tau_interval([(rounds, committed)], resamples=400, seed=trial)
+        # The population τ of this design: E[committed] / E[rounds] = 1 + 3 E[p] (rounds independent of p).
+        covered += lo <= true_tau <= hi
+    assert 0.88 <= covered / trials <= 0.99, covered / trials
+    # A mean over two datasets resamples each apart: the same data twice reads as two independent samples, the
+    # same centre and an interval narrower by about sqrt(2).
+    one = tau_interval([(rounds, committed)], seed=1)
+    two = tau_interval([(rounds, committed), (rounds, committed)], seed=1)
+    assert sum(two) / 2 == pytest.approx(sum(one) / 2, abs=0.03)
+    assert (two[1] - two[0]) / (one[1] - one[0]) == pytest.approx(2**-0.5, rel=0.15)
+    assert tau_interval([([3], [5])]) is None  # one request: no interval
 
 
 def test_training_estimates():

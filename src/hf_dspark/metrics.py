@@ -6,6 +6,8 @@ Training logs, `generate()` statistics and the evaluation command all call these
 - accept_rate@k (conditional): among rounds where slot k was proposed and slots 1..k-1 were accepted, the
   fraction where slot k was accepted.
 - verify efficiency: committed tokens / tokens fed to the target in verification forwards.
+- tau's interval: a percentile bootstrap over requests (prompts), since rounds of one request are not independent;
+  a mean of several datasets' tau resamples the requests of each dataset apart.
 - calibration: ECE, AUROC and Brier score of a predicted probability against a 0/1 outcome.
 - decoding speed of batched generate() calls: tokens/s, the cost of one step (wall time over the steps the
   batches took, each as long as its longest row) and row fill (counted tokens over rows x steps).
@@ -38,6 +40,10 @@ class AcceptanceStats:
     hit: np.ndarray = field(default=None)  # ... and slot k was accepted
     # Optional confidence records for calibration: (confidences [n_slots], accepted, proposed) per round.
     confidence_records: list = field(default_factory=list)
+    # Rounds and committed tokens of each request (a row of a generate() call) when the decoding loop names them;
+    # merged statistics number the requests of each merged call after the ones before.
+    request_rounds: dict = field(default_factory=dict)
+    request_committed: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.reached is None:
@@ -45,11 +51,12 @@ class AcceptanceStats:
         if self.hit is None:
             self.hit = np.zeros(self.max_positions, dtype=np.int64)
 
-    def add_round(self, proposed, accepted, confidences=None, committed=None) -> None:
+    def add_round(self, proposed, accepted, confidences=None, committed=None, requests=None) -> None:
         """Record one or more request-rounds: proposed/accepted are ints or 1-D tensors/arrays of equal length.
 
         committed defaults to accepted + 1; pass it when EOS or max_new_tokens cut the round short.
         confidences [rows, n_slots] (optional): the draft's c_k for the proposed slots.
+        requests (optional): which request (row of the call) each entry belongs to, for `tau_interval`.
         """
         proposed = np.atleast_1d(_to_numpy(proposed)).astype(np.int64)
         accepted = np.atleast_1d(_to_numpy(accepted)).astype(np.int64)
@@ -60,6 +67,10 @@ class AcceptanceStats:
             self._grow(int(proposed.max()))
         self.rounds += len(proposed)
         self.committed += int(committed.sum())
+        if requests is not None:
+            for request, n in zip(np.atleast_1d(_to_numpy(requests)).tolist(), committed.tolist()):
+                self.request_rounds[request] = self.request_rounds.get(request, 0) + 1
+                self.request_committed[request] = self.request_committed.get(request, 0) + int(n)
         self.fed += int((proposed + 1).sum())
         self.proposed_total += int(proposed.sum())
         k = np.arange(self.max_positions)
@@ -92,7 +103,17 @@ class AcceptanceStats:
         self.reached[: other.max_positions] += other.reached
         self.hit[: other.max_positions] += other.hit
         self.confidence_records.extend(other.confidence_records)
+        start = max(self.request_rounds, default=-1) + 1
+        for offset, request in enumerate(sorted(other.request_rounds)):
+            self.request_rounds[start + offset] = other.request_rounds[request]
+            self.request_committed[start + offset] = other.request_committed[request]
         return self
+
+    def per_request(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rounds, committed tokens) of each request recorded with `requests=`."""
+        keys = sorted(self.request_rounds)
+        return (np.array([self.request_rounds[k] for k in keys], dtype=np.int64),
+                np.array([self.request_committed[k] for k in keys], dtype=np.int64))  # fmt: skip
 
     @property
     def tau(self) -> float:
@@ -127,6 +148,8 @@ class AcceptanceStats:
             "verify_efficiency": self.verify_efficiency,
             "accept_rate_by_position": self.accept_rate_by_position,
             "accept_count_by_position": self.accept_count_by_position,
+            "requests": len(self.request_rounds),
+            "tau_ci95": tau_interval([self.per_request()]),
         }
 
 
@@ -153,6 +176,23 @@ def batched_decoding_speed(new_tokens: int, seconds: float, batches) -> dict:
         "ms_per_longest_row_token": 1e3 * seconds / steps if steps else nan,
         "row_fill": new_tokens / slots if slots else nan,
     }
+
+
+def tau_interval(groups, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float] | None:
+    """Percentile bootstrap interval of the mean over `groups` of each group's tau (committed / rounds, pooled over
+    its requests). `groups`: one (rounds, committed) pair of per-request arrays per dataset; each resample draws
+    every group's requests with replacement, apart. None when a group has fewer than two requests."""
+    groups = [(np.asarray(r, dtype=np.float64), np.asarray(c, dtype=np.float64)) for r, c in groups]
+    if not groups or any(len(r) < 2 for r, _ in groups):
+        return None
+    rng = np.random.default_rng(seed)
+    taus = np.zeros(resamples)
+    for rounds, committed in groups:
+        picks = rng.integers(0, len(rounds), size=(resamples, len(rounds)))
+        taus += committed[picks].sum(1) / np.maximum(rounds[picks].sum(1), 1)
+    taus /= len(groups)
+    tail = (1 - level) / 2 * 100
+    return [float(np.percentile(taus, tail)), float(np.percentile(taus, 100 - tail))]
 
 
 def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:

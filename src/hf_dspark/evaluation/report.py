@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+from ..metrics import tau_interval
 from .calibration import mean_over_slots
 
 ROW_KEYS = ("drafter", "dataset", "temperature", "tau", "accept_rate_by_position", "tokens_per_s", "speedup")
@@ -47,6 +48,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return lines
+
+
+def _interval(bounds) -> str:
+    return f"{bounds[0]:.2f}-{bounds[1]:.2f}" if bounds else "–"
 
 
 def _step_and_fill(baseline: dict) -> str:
@@ -151,6 +156,18 @@ def results_markdown(results) -> str:
                 + [_fmt(c["speedup"]) + "x" if c else "–" for c in cells]
                 + [_fmt(sum(taus) / len(taus)) if taus else "–"]
             )
+        if any(c and c.get("tau_ci95") for d in drafters for c in [lookup.get((d, x, temp)) for x in datasets]):
+            for drafter in drafters:
+                cells = [lookup.get((drafter, d, temp)) for d in datasets]
+                groups = [(c["tau_by_request"]["rounds"], c["tau_by_request"]["committed"])
+                          for c in cells if c and c.get("tau_by_request")]  # fmt: skip
+                mean = tau_interval(groups) if len(groups) == len(cells) else None
+                table.append(
+                    [f"{drafter}, 95% interval (bootstrap over prompts)"]
+                    + [_interval(c.get("tau_ci95")) if c else "–" for c in cells]
+                    + ["" for _ in datasets]
+                    + [_interval(mean)]
+                )
         table.append(
             ["target alone, tokens/s"]
             + [_fmt(base[(d, temp)]["tokens_per_s"], 1) if (d, temp) in base else "–" for d in datasets]

@@ -501,6 +501,7 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
         stats.merge(call.stats.acceptance)
     speed = _speed(calls)
     acceptance = stats.to_dict()
+    request_rounds, request_committed = stats.per_request()
     block_sizes = {c.stats.block_size for c in calls if c.stats.block_size}
     block_size = max(block_sizes) if block_sizes else int(draft.config.num_draft_tokens)
     row = {
@@ -509,6 +510,8 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
         "temperature": temperature,
         "tau": acceptance.pop("tau"),
         "accept_rate_by_position": acceptance.pop("accept_rate_by_position"),
+        # Per prompt, so a mean over datasets gets its interval too (the report's bootstrap resamples prompts).
+        "tau_by_request": {"rounds": request_rounds.tolist(), "committed": request_committed.tolist()},
         "tokens_per_s": speed["tokens_per_s"],
         "speedup": speed["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else float("nan"),
         "target_tokens_per_s": base["tokens_per_s"],

@@ -775,6 +775,7 @@ class _Decoder:
             self.stats.acceptance.add_round(
                 [verify_h[i] for i in running], [accepted_h[i] for i in running],
                 None if confidences is None else confidences[running], committed=counts,
+                requests=[row_ids[i] for i in running],
             )  # fmt: skip
             fused.target_runner.kept(keep_h[0])
             if self.streamer is not None and running[0] == 0 and counts[0]:
@@ -881,7 +882,7 @@ class _Decoder:
             )
         t2 = time.perf_counter()
         self.stats.verify_time += t2 - t1
-        self.stats.acceptance.add_round(verify_h, accepted_h, confidences, committed=counts)
+        self.stats.acceptance.add_round(verify_h, accepted_h, confidences, committed=counts, requests=row_ids)
 
         # Roll the target cache back to the longest committed prefix among continuing rows; others keep holes.
         with phase("rollback"):
