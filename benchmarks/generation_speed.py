@@ -331,6 +331,7 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                         row.extra["target_graphs"] = stats.target_graphs
                         row.extra["fused_round"] = stats.fused_round
                         row.extra["accept_rate_by_position"] = stats.accept_rate_by_position
+                        row.extra["tau_ci95"] = stats.acceptance.to_dict()["tau_ci95"]  # bootstrap over prompts
                         row.extra["verified_tokens"] = stats.verified_tokens
                     if temperature == 0:
                         greedy_agreement(row, outputs, reference, eos_ids)
