@@ -251,6 +251,9 @@ def test_a_timed_call_that_compiled_is_timed_again_warm(workdir, monkeypatch):
     assert calls == 4  # the warm-up, two timed prompts, the first of them once more
     assert (row["retimed_calls"], row["compile_s_in_timing"], row["graph_captures_in_timing"]) == (1, 0, 0)
     assert (row["tau"], row["new_tokens"]) == (clean_row["tau"], clean_row["new_tokens"])  # same seed, same outputs
+    per_prompt = row["tau_by_request"]  # one entry per prompt, in prompt order, summing to the row's totals
+    assert len(per_prompt["rounds"]) == 2 and sum(per_prompt["rounds"]) == row["rounds"]
+    assert sum(per_prompt["committed"]) == row["committed_tokens"]
     assert clean_row["retimed_calls"] == 0 and retimed.baselines[0]["retimed_calls"] == 0
     md = results_markdown(retimed)
     assert "timed again" in md and "dspark, prompts, T = 0 (1)" in md and "still hold" not in md

@@ -38,7 +38,8 @@ def synthetic_call(rng, rounds=60, block=K, overconfidence=OVERCONFIDENCE, calib
     requests = rng.integers(0, 3, size=rounds)  # three prompts in the call
     stats.add_round(np.full(rounds, block), accepted, confidences=1 / (1 + np.exp(-recorded)), requests=requests)
     return _CallResult(
-        new_tokens=int(accepted.sum() + rounds), seconds=0.5, stats=CallStats(stats, draft_time=0.1, verify_time=0.3)
+        new_tokens=int(accepted.sum() + rounds), seconds=0.5, stats=CallStats(stats, draft_time=0.1, verify_time=0.3),
+        rows=3,
     )
 
 
@@ -187,6 +188,9 @@ def test_results_markdown_tables(results):
     assert cells[1] == f"{lo:.2f}-{hi:.2f}"
     mean_lo, mean_hi = (float(v) for v in cells[-1].split("-"))
     assert mean_lo < mean_tau < mean_hi
+    # Each drafter against the first on the same prompts: a paired difference in mean τ with its interval.
+    assert "## Mean tau against dspark (paired bootstrap over the same prompts, 95%)" in md
+    assert md.count("| dflash - dspark |") == 2  # T 0 and 1
 
 
 def test_static_path_note_names_the_compiled_baseline_when_it_ran(results):

@@ -13,6 +13,7 @@ from hf_dspark.metrics import (
     slot_calibration_data,
     decoding_walk_estimates,
     training_acceptance_estimates,
+    tau_difference_interval,
     tau_interval,
     wilson_interval,
 )
@@ -77,6 +78,25 @@ def test_tau_interval_covers_the_true_tau_at_its_level():
     assert sum(two) / 2 == pytest.approx(sum(one) / 2, abs=0.03)
     assert (two[1] - two[0]) / (one[1] - one[0]) == pytest.approx(2**-0.5, rel=0.15)
     assert tau_interval([([3], [5])]) is None  # one request: no interval
+
+
+def test_paired_difference_sees_a_gap_the_separate_intervals_cannot():
+    """Prompts differ far more than two drafts do: the drafts' own intervals overlap, but paired over the same
+    prompts a consistent gain of 0.1 τ is resolved; identical drafts differ by exactly 0."""
+    rng = np.random.default_rng(1)
+    n = 32
+    rounds = rng.integers(20, 40, size=n)
+    base = rng.uniform(1.2, 3.5, size=n)  # per-prompt τ: the prompts set most of the spread
+    committed_b = np.round(base * rounds)
+    committed_a = committed_b + np.round(0.1 * rounds)  # draft A commits 0.1 more per round on every prompt
+    a, b = tau_interval([(rounds, committed_a)]), tau_interval([(rounds, committed_b)])
+    assert a[0] < b[1]  # apart, the intervals overlap
+    paired = tau_difference_interval([((rounds, committed_a), (rounds, committed_b))])
+    assert paired["difference"] == pytest.approx(committed_a.sum() / rounds.sum() - committed_b.sum() / rounds.sum())
+    assert 0 < paired["ci95"][0] <= paired["difference"] <= paired["ci95"][1]
+    same = tau_difference_interval([((rounds, committed_b), (rounds, committed_b))] * 2)
+    assert same == {"difference": 0.0, "ci95": [0.0, 0.0]}
+    assert tau_difference_interval([((rounds, committed_a), (rounds[:-1], committed_b[:-1]))]) is None  # unpaired
 
 
 def test_training_estimates():

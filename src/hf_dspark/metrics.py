@@ -195,6 +195,30 @@ def tau_interval(groups, level: float = 0.95, resamples: int = 2000, seed: int =
     return [float(np.percentile(taus, tail)), float(np.percentile(taus, 100 - tail))]
 
 
+def tau_difference_interval(pairs, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> dict | None:
+    """Paired bootstrap of the difference in mean τ between two drafts decoded on the same prompts. `pairs`: per
+    dataset, ((rounds_a, committed_a), (rounds_b, committed_b)), per-prompt arrays in the same prompt order; each
+    resample draws one set of prompt indices per dataset for both drafts. {"difference": τ_a - τ_b (means over the
+    datasets), "ci95": [lo, hi]}; None when the prompts do not pair up or a dataset has fewer than two."""
+    def tau(rounds, committed):
+        return committed.sum(-1) / np.maximum(rounds.sum(-1), 1)
+
+    arrays = [tuple((np.asarray(r, dtype=np.float64), np.asarray(c, dtype=np.float64)) for r, c in pair)
+              for pair in pairs]  # fmt: skip
+    if not arrays or any(len(a[0]) != len(b[0]) or len(a[0]) < 2 for a, b in arrays):
+        return None
+    rng = np.random.default_rng(seed)
+    diffs, point = np.zeros(resamples), 0.0
+    for (rounds_a, committed_a), (rounds_b, committed_b) in arrays:
+        point += tau(rounds_a, committed_a) - tau(rounds_b, committed_b)
+        picks = rng.integers(0, len(rounds_a), size=(resamples, len(rounds_a)))
+        diffs += tau(rounds_a[picks], committed_a[picks]) - tau(rounds_b[picks], committed_b[picks])
+    diffs /= len(arrays)
+    tail = (1 - level) / 2 * 100
+    return {"difference": float(point / len(arrays)),
+            "ci95": [float(np.percentile(diffs, tail)), float(np.percentile(diffs, 100 - tail))]}  # fmt: skip
+
+
 def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:
     """Wilson score interval of a binomial rate (95% for z = 1.96); (nan, nan) without trials. Unlike the normal
     approximation it stays inside [0, 1] and stays wide for a handful of trials (1 hit of 1 is [0.21, 1])."""

@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from ..metrics import tau_interval
+from ..metrics import tau_difference_interval, tau_interval
 from .calibration import mean_over_slots
 
 ROW_KEYS = ("drafter", "dataset", "temperature", "tau", "accept_rate_by_position", "tokens_per_s", "speedup")
@@ -79,6 +79,31 @@ def _timing_notes(results) -> list[str]:
     if dirty:
         out.append("- **timings that still hold one-time work** (their speed is understated): " + "; ".join(dirty))
     return out
+
+
+def _paired_differences(drafters, datasets, temperatures, lookup) -> list[str]:
+    """Each drafter's mean τ against the first one's, on the same prompts: the difference and its 95% interval from
+    a paired bootstrap over prompts (`metrics.tau_difference_interval`); none with a single drafter."""
+    table = []
+    for temp in temperatures:
+        for drafter in drafters[1:]:
+            pairs = []
+            for d in datasets:
+                a, b = lookup.get((drafter, d, temp)), lookup.get((drafters[0], d, temp))
+                if a and b and a.get("tau_by_request") and b.get("tau_by_request"):
+                    pairs.append(tuple((r["tau_by_request"]["rounds"], r["tau_by_request"]["committed"])
+                                       for r in (a, b)))  # fmt: skip
+            paired = tau_difference_interval(pairs) if len(pairs) == len(datasets) else None
+            if paired is not None:
+                lo, hi = paired["ci95"]
+                verdict = "no (the interval holds 0)" if lo <= 0 <= hi else "yes"
+                table.append([f"{drafter} - {drafters[0]}", f"{temp:g}", f"{paired['difference']:+.2f}",
+                              f"{lo:+.2f} to {hi:+.2f}", verdict])  # fmt: skip
+    if not table:
+        return []
+    return ["", f"## Mean tau against {drafters[0]} (paired bootstrap over the same prompts, 95%)", ""] + _table(
+        ["drafters", "T", "difference in mean tau", "95% interval", "a difference?"], table
+    )
 
 
 def results_markdown(results) -> str:
@@ -213,6 +238,7 @@ def results_markdown(results) -> str:
                     )
         out += _table(header, table)
 
+    out += _paired_differences(drafters, datasets, temperatures, lookup)
     width = max((len(r["accept_rate_by_position"]) for r in rows), default=0)
     out += ["", "## Acceptance rate by position (conditional: slot k accepted given slots 1..k-1 accepted)", ""]
     out += _table(

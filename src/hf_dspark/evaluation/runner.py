@@ -501,7 +501,10 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
         stats.merge(call.stats.acceptance)
     speed = _speed(calls)
     acceptance = stats.to_dict()
-    request_rounds, request_committed = stats.per_request()
+    # Per prompt in prompt order (a prompt answered in its first token has 0 rounds), so drafts evaluated on the
+    # same prompts pair up (`metrics.tau_difference_interval`) and a mean over datasets gets its interval too.
+    request_rounds = [c.stats.acceptance.request_rounds.get(i, 0) for c in calls for i in range(c.rows)]
+    request_committed = [c.stats.acceptance.request_committed.get(i, 0) for c in calls for i in range(c.rows)]
     block_sizes = {c.stats.block_size for c in calls if c.stats.block_size}
     block_size = max(block_sizes) if block_sizes else int(draft.config.num_draft_tokens)
     row = {
@@ -510,8 +513,7 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
         "temperature": temperature,
         "tau": acceptance.pop("tau"),
         "accept_rate_by_position": acceptance.pop("accept_rate_by_position"),
-        # Per prompt, so a mean over datasets gets its interval too (the report's bootstrap resamples prompts).
-        "tau_by_request": {"rounds": request_rounds.tolist(), "committed": request_committed.tolist()},
+        "tau_by_request": {"rounds": request_rounds, "committed": request_committed},
         "tokens_per_s": speed["tokens_per_s"],
         "speedup": speed["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else float("nan"),
         "target_tokens_per_s": base["tokens_per_s"],
