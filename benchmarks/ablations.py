@@ -23,7 +23,8 @@ trains longer in the same budget. Writes OUTPUT_DIR/ablations.json (command, har
 reached, seconds in torch.compile, the held-out τ curve by step and training time) and ablations.png (held-out
 τ_prob against training time), and prints a table of the last held-out τ_prob and τ_greedy. With `--eval_data`,
 every variant's draft is then decoded on those prompt files by `hf-dspark eval` (T 0 and 1; the three drafters:
-`--variants baseline dflash eagle3`), and the report adds each variant's τ per file and temperature.
+`--variants baseline dflash eagle3`), and the report adds each variant's τ per file and temperature; the eval's
+results.md compares each with the first variant named, paired over the same prompts.
 
     python benchmarks/ablations.py --device cpu --smoke --output_dir /tmp/ablations   # tiny CPU check
 """
@@ -253,7 +254,7 @@ def main(argv=None) -> dict:
         "variants": results,
     }
     if args.eval_data:
-        report["decoding_eval"] = decoding_eval(args, root, results)
+        report["decoding_eval"] = decoding_eval(args, root, results, list(flags_of))
     (root / "ablations.json").write_text(json.dumps(report, indent=2))
     plot_curves(results, root / "ablations.png")
     # The walked values count rounds as decoding runs them (the all-anchor means overstate decoding on loops).
@@ -277,10 +278,12 @@ def main(argv=None) -> dict:
     return report
 
 
-def decoding_eval(args, root: Path, results: dict) -> dict:
+def decoding_eval(args, root: Path, results: dict, flags_order: list[str]) -> dict:
     """`hf-dspark eval` of every finished variant's draft in one process (the target loaded once, the same prompts
     and seeds for all): {"command", "returncode", "tau": {variant: {dataset@T: τ}}}."""
-    drafts = [f"{name}={root / name}" for name, r in results.items() if r["returncode"] == 0 and (root / name).is_dir()]
+    # In the order asked for (runs finish in any order): the first is the one results.md compares the others with.
+    order = [name for name in flags_order if name in results]
+    drafts = [f"{name}={root / name}" for name in order if results[name]["returncode"] == 0 and (root / name).is_dir()]
     if not drafts:
         return {"returncode": None, "note": "no finished draft to evaluate"}
     out = root / "eval"

@@ -324,5 +324,7 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
     assert all(set(t) == {"prompts@T0", "prompts@T1"} and min(t.values()) >= 1.0 for t in decoding["tau"].values())
     assert decoding["mean_tau"]["baseline"] == {"T0": decoding["tau"]["baseline"]["prompts@T0"],
                                                 "T1": decoding["tau"]["baseline"]["prompts@T1"]}  # fmt: skip
+    # The eval compares each draft with the first variant named (not the first to finish), paired over prompts.
+    assert "| more_data - baseline |" in (out / "eval" / "results.md").read_text()
     means = ablations.decoded_mean_tau({"a": {"gsm8k@T0": 2.0, "mt-bench@T0": 1.0, "gsm8k@T1": 1.5}})
     assert means == {"a": {"T0": 1.5, "T1": 1.5}}
