@@ -53,13 +53,13 @@ class DraftTrainingArguments(TrainingArguments):
     )
     ce_loss_alpha: float | None = field(
         default=None,
-        metadata={"help": "Weight of the cross-entropy term of the block drafters' loss (default: DSpark 0.1, "
+        metadata={"help": "Weight of the cross-entropy term of the block drafters' loss (default: DSpark 0.5, "
                   "DFlash 1)."},
     )  # fmt: skip
     l1_loss_alpha: float | None = field(
         default=None,
         metadata={"help": "Weight of the L1 (total variation) term against the target distribution (default: DSpark "
-                  "0.9, DFlash 0). CE drives the argmax (greedy acceptance), L1 the overlap min(p_d, p_t) that "
+                  "0.5, DFlash 0). CE drives the argmax (greedy acceptance), L1 the overlap min(p_d, p_t) that "
                   "sampled acceptance counts."},
     )  # fmt: skip
     use_qk_norm: bool | None = field(
