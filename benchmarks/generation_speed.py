@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import hardware  # noqa: E402
 
-from hf_dspark.compilation import one_time_work_mark, one_time_work_since
+from hf_dspark.compilation import run_warm
 from hf_dspark.data.prompts import count_new_tokens, eos_token_ids, new_token_lengths
 from hf_dspark.evaluation.runner import TIMING_CHECKS
 from hf_dspark.metrics import batched_decoding_speed
@@ -224,17 +224,11 @@ def run_method(row, target, prompts, batch_size, temperature, args, pad_id, eos_
     checks = dict.fromkeys(TIMING_CHECKS, 0)
     torch.manual_seed(args.seed)
     for batch in batches:
-        mark, rng = one_time_work_mark(), _rng_state(device)
-        ids, out, elapsed = timed_generate(batch)
-        compiled, captured = one_time_work_since(mark)
-        if compiled or captured:  # a shape the warm-ups missed: the same call again, same random state, now warm
-            _set_rng_state(device, rng)
-            mark = one_time_work_mark()
-            ids, out, elapsed = timed_generate(batch)
-            compiled, captured = one_time_work_since(mark)
-            checks["retimed_calls"] += 1
-        checks["compile_s_in_timing"] += compiled
-        checks["graph_captures_in_timing"] += captured
+        warm = run_warm(lambda: timed_generate(batch))  # a shape the warm-ups missed: run again, warm, same draws
+        ids, out, elapsed = warm.result
+        checks["retimed_calls"] += warm.retimed
+        checks["compile_s_in_timing"] += warm.compile_s
+        checks["graph_captures_in_timing"] += warm.captures
         seconds += elapsed
         tokens += count_new_tokens(out, ids.shape[1], eos_ids)
         outputs.append(out[:, ids.shape[1] :].cpu())
@@ -247,15 +241,6 @@ def run_method(row, target, prompts, batch_size, temperature, args, pad_id, eos_
         row.note = (row.note + "; " if row.note else "") + "timing holds one-time work (compile / graph capture)"
     return outputs, stats
 
-
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(device: torch.device, state) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def special_ids(target, tokenizer) -> tuple[int, list[int]]:
@@ -297,7 +282,8 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                 row = Row("target+static-cache", batch_size, temperature)
                 outputs, _ = run_method(row, *common, static=static)
                 row.extra.update(static.record())
-                row.note = f"static cache of {static.cache_len} for the run, compiled in untimed warm-ups"
+                note = f"static cache of {static.cache_len} for the run, compiled in untimed warm-ups"
+                row.note = f"{note}; {row.note}" if row.note else note  # (run_method's note, if any, kept)
                 step_cost(row, outputs, eos_ids)
                 if temperature == 0:
                     greedy_agreement(row, outputs, reference, eos_ids)

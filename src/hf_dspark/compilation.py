@@ -1,12 +1,14 @@
 """One-time work this process did: torch.compile (seconds from its own timers, and a per-function report of the
 compilations since a mark) and CUDA graph captures (counted by `generation.cuda_graphs.capture`). Training logs
-the compile time (`compile_s`, compile_report.json); evaluation and the speed benchmark check that no timed call did
-either (`one_time_work_since`)."""
+the compile time (`compile_s`, compile_report.json); evaluation and the speed benchmark time calls of warm code
+through `run_warm`."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 
 # torch.compile's own timers: each compilation of a frame (forward graphs) and each lazy backward compilation.
@@ -102,7 +104,40 @@ def one_time_work_since(mark: tuple[float, int]) -> tuple[float, int]:
     return compile_seconds_since(mark[0]), graph_captures() - mark[1]
 
 
+@dataclass
+class WarmRun:
+    """What `run_warm` kept: the call's result, the one-time work done inside it, whether it was run twice."""
+
+    result: Any
+    compile_s: float
+    captures: int
+    retimed: bool
+
+
+def run_warm(call: Callable[[], Any], retime: bool = True) -> WarmRun:
+    """`call()`, with the one-time work it did (torch.compile seconds, CUDA graph captures). With `retime`, a call
+    that did some (a shape its warm-up missed) runs again from the random state it started from, so it samples the
+    same outputs, and the second run is kept: what a timing inside `call` then measures is warm code."""
+    import torch
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None
+    mark = one_time_work_mark()
+    result = call()
+    compile_s, captures = one_time_work_since(mark)
+    retimed = retime and bool(compile_s or captures)
+    if retimed:
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+        mark = one_time_work_mark()
+        result = call()
+        compile_s, captures = one_time_work_since(mark)
+    return WarmRun(result, compile_s, captures, retimed)
+
+
 __all__ = [
+    "WarmRun",
     "compile_report",
     "compile_seconds",
     "compile_seconds_since",
@@ -111,4 +146,5 @@ __all__ = [
     "keep_compilation_records",
     "one_time_work_mark",
     "one_time_work_since",
+    "run_warm",
 ]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .calibration import calibration_summary, uncalibrate_records
-from ..compilation import one_time_work_mark, one_time_work_since
+from ..compilation import run_warm
 from ..metrics import AcceptanceStats, batched_decoding_speed
 from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad, new_token_lengths  # noqa: F401 (count_new_tokens: re-exported)
@@ -168,14 +168,11 @@ class _CallResult:
     # The target-alone calls keep their prompts and answers (end-of-turn included) for `teacher_forced_estimates`.
     prompts: list[list[int]] = field(default_factory=list)
     completions: list[list[int]] = field(default_factory=list)
-    # One-time work inside the timing: torch.compile seconds and CUDA graphs captured during the call.
+    # One-time work inside the timing (`compilation.run_warm`): torch.compile seconds and CUDA graphs captured
+    # during the call, and whether this is the second run of a call whose first run did some.
     compile_s: float = 0.0
     captures: int = 0
-    retimed: bool = False  # this is a second run of a call whose first timing held one-time work
-
-    @property
-    def held_one_time_work(self) -> bool:
-        return self.compile_s > 0 or self.captures > 0
+    retimed: bool = False
 
 
 def _left_pad(batch: Sequence[Sequence[int]], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -191,18 +188,15 @@ def _generate(target, inputs, generation_config, eos_ids, draft=None, generate_k
         extra["assistant_model"] = draft
     if static is not None:  # the static-cache baseline's cache for this batch shape, emptied outside the timer
         extra.update(static.generate_kwargs(inputs["input_ids"]))
-    mark = one_time_work_mark()
     _synchronize(device)
     start = time.perf_counter()
     output = target.generate(**inputs, generation_config=generation_config, **extra)
     _synchronize(device)
     seconds = time.perf_counter() - start
-    compiled, captured = one_time_work_since(mark)
     sequences = output.sequences if hasattr(output, "sequences") else output
     lengths = new_token_lengths(sequences[:, inputs["input_ids"].shape[1] :], eos_ids)
     result = _CallResult(
-        int(lengths.sum()), seconds, longest=int(lengths.max()) if lengths.numel() else 0, rows=lengths.numel(),
-        compile_s=compiled, captures=captured,
+        int(lengths.sum()), seconds, longest=int(lengths.max()) if lengths.numel() else 0, rows=lengths.numel()
     )
     if draft is None and static is None:
         width = inputs["input_ids"].shape[1]
@@ -387,13 +381,13 @@ def evaluate_drafts(
             for index, batch in enumerate(batches):
                 torch.manual_seed(seed + index)  # same seeds for the target alone and every draft
                 inputs = _left_pad(batch, pad_id, device)
-                call = _generate(target, inputs, gen_config, eos_ids, draft, generate_kwargs, static)
-                if warmup and call.held_one_time_work:
-                    # It compiled or captured a graph the warm-up did not reach (an H200 row once took 3x its
-                    # neighbours' time): run it again, same seed so the same outputs, and keep the warm timing.
-                    torch.manual_seed(seed + index)
-                    call = _generate(target, inputs, gen_config, eos_ids, draft, generate_kwargs, static)
-                    call.retimed = True
+                # A call that compiled or captured a graph the warm-up did not reach (an H200 row once took 3x its
+                # neighbours' time) runs again from the same seed, and the warm timing is kept.
+                warm = run_warm(
+                    lambda: _generate(target, inputs, gen_config, eos_ids, draft, generate_kwargs, static), warmup
+                )
+                call = warm.result
+                call.compile_s, call.captures, call.retimed = warm.compile_s, warm.captures, warm.retimed
                 calls.append(call)
                 bar.update(len(batch))
         return calls
