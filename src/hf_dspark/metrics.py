@@ -109,11 +109,12 @@ class AcceptanceStats:
             self.request_committed[start + offset] = other.request_committed[request]
         return self
 
-    def per_request(self) -> tuple[np.ndarray, np.ndarray]:
-        """(rounds, committed tokens) of each request recorded with `requests=`."""
-        keys = sorted(self.request_rounds)
-        return (np.array([self.request_rounds[k] for k in keys], dtype=np.int64),
-                np.array([self.request_committed[k] for k in keys], dtype=np.int64))  # fmt: skip
+    def per_request(self, requests: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(rounds, committed tokens) of each request recorded with `requests=`. With `requests` (a call's row
+        count), one entry per row in row order, 0 for a row without rounds (answered in its first token)."""
+        keys = sorted(self.request_rounds) if requests is None else range(requests)
+        return (np.array([self.request_rounds.get(k, 0) for k in keys], dtype=np.int64),
+                np.array([self.request_committed.get(k, 0) for k in keys], dtype=np.int64))  # fmt: skip
 
     @property
     def tau(self) -> float:
@@ -178,21 +179,34 @@ def batched_decoding_speed(new_tokens: int, seconds: float, batches) -> dict:
     }
 
 
+def _bootstrap_mean_tau(groups, resamples: int, seed: int) -> np.ndarray | None:
+    """[resamples, drafts] mean over datasets of each draft's τ, per resample. `groups`: per dataset, one
+    (rounds, committed) pair of per-prompt arrays per draft, in the same prompt order; each resample draws one set of
+    prompt indices per dataset, shared by the drafts (paired). None when the prompts do not pair up or a dataset has
+    fewer than two."""
+    groups = [[(np.asarray(r, dtype=np.float64), np.asarray(c, dtype=np.float64)) for r, c in drafts]
+              for drafts in groups]  # fmt: skip
+    if not groups or any(len({len(r) for r, _ in drafts}) != 1 or len(drafts[0][0]) < 2 for drafts in groups):
+        return None
+    rng = np.random.default_rng(seed)
+    taus = 0.0
+    for drafts in groups:
+        picks = rng.integers(0, len(drafts[0][0]), size=(resamples, len(drafts[0][0])))
+        taus = taus + np.stack([c[picks].sum(1) / np.maximum(r[picks].sum(1), 1) for r, c in drafts], axis=1)
+    return taus / len(groups)
+
+
+def _percentiles(values: np.ndarray, level: float) -> list[float]:
+    tail = (1 - level) / 2 * 100
+    return [float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))]
+
+
 def tau_interval(groups, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> list[float] | None:
     """Percentile bootstrap interval of the mean over `groups` of each group's tau (committed / rounds, pooled over
     its requests). `groups`: one (rounds, committed) pair of per-request arrays per dataset; each resample draws
     every group's requests with replacement, apart. None when a group has fewer than two requests."""
-    groups = [(np.asarray(r, dtype=np.float64), np.asarray(c, dtype=np.float64)) for r, c in groups]
-    if not groups or any(len(r) < 2 for r, _ in groups):
-        return None
-    rng = np.random.default_rng(seed)
-    taus = np.zeros(resamples)
-    for rounds, committed in groups:
-        picks = rng.integers(0, len(rounds), size=(resamples, len(rounds)))
-        taus += committed[picks].sum(1) / np.maximum(rounds[picks].sum(1), 1)
-    taus /= len(groups)
-    tail = (1 - level) / 2 * 100
-    return [float(np.percentile(taus, tail)), float(np.percentile(taus, 100 - tail))]
+    taus = _bootstrap_mean_tau([[group] for group in groups], resamples, seed)
+    return None if taus is None else _percentiles(taus[:, 0], level)
 
 
 def tau_difference_interval(pairs, level: float = 0.95, resamples: int = 2000, seed: int = 0) -> dict | None:
@@ -200,23 +214,11 @@ def tau_difference_interval(pairs, level: float = 0.95, resamples: int = 2000, s
     dataset, ((rounds_a, committed_a), (rounds_b, committed_b)), per-prompt arrays in the same prompt order; each
     resample draws one set of prompt indices per dataset for both drafts. {"difference": τ_a - τ_b (means over the
     datasets), "ci95": [lo, hi]}; None when the prompts do not pair up or a dataset has fewer than two."""
-    def tau(rounds, committed):
-        return committed.sum(-1) / np.maximum(rounds.sum(-1), 1)
-
-    arrays = [tuple((np.asarray(r, dtype=np.float64), np.asarray(c, dtype=np.float64)) for r, c in pair)
-              for pair in pairs]  # fmt: skip
-    if not arrays or any(len(a[0]) != len(b[0]) or len(a[0]) < 2 for a, b in arrays):
+    taus = _bootstrap_mean_tau(pairs, resamples, seed)
+    if taus is None:
         return None
-    rng = np.random.default_rng(seed)
-    diffs, point = np.zeros(resamples), 0.0
-    for (rounds_a, committed_a), (rounds_b, committed_b) in arrays:
-        point += tau(rounds_a, committed_a) - tau(rounds_b, committed_b)
-        picks = rng.integers(0, len(rounds_a), size=(resamples, len(rounds_a)))
-        diffs += tau(rounds_a[picks], committed_a[picks]) - tau(rounds_b[picks], committed_b[picks])
-    diffs /= len(arrays)
-    tail = (1 - level) / 2 * 100
-    return {"difference": float(point / len(arrays)),
-            "ci95": [float(np.percentile(diffs, tail)), float(np.percentile(diffs, 100 - tail))]}  # fmt: skip
+    point = np.mean([[np.sum(c) / max(np.sum(r), 1) for r, c in drafts] for drafts in pairs], axis=0)
+    return {"difference": float(point[0] - point[1]), "ci95": _percentiles(taus[:, 0] - taus[:, 1], level)}
 
 
 def wilson_interval(successes: float, trials: int, z: float = 1.96) -> tuple[float, float]:

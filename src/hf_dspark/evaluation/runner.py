@@ -497,8 +497,9 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
     acceptance = stats.to_dict()
     # Per prompt in prompt order (a prompt answered in its first token has 0 rounds), so drafts evaluated on the
     # same prompts pair up (`metrics.tau_difference_interval`) and a mean over datasets gets its interval too.
-    request_rounds = [c.stats.acceptance.request_rounds.get(i, 0) for c in calls for i in range(c.rows)]
-    request_committed = [c.stats.acceptance.request_committed.get(i, 0) for c in calls for i in range(c.rows)]
+    per_prompt = [c.stats.acceptance.per_request(c.rows) for c in calls]
+    request_rounds = [int(n) for rounds, _ in per_prompt for n in rounds]
+    request_committed = [int(n) for _, committed in per_prompt for n in committed]
     block_sizes = {c.stats.block_size for c in calls if c.stats.block_size}
     block_size = max(block_sizes) if block_sizes else int(draft.config.num_draft_tokens)
     row = {
