@@ -81,6 +81,12 @@ def _timing_notes(results) -> list[str]:
     return out
 
 
+def _per_prompt(row: dict | None) -> tuple[list[int], list[int]] | None:
+    """A draft row's (rounds, committed tokens) per prompt, or None (no row, or a row saved without them)."""
+    counts = (row or {}).get("tau_by_request")
+    return (counts["rounds"], counts["committed"]) if counts else None
+
+
 def _paired_differences(drafters, datasets, temperatures, lookup) -> list[str]:
     """Each drafter's mean τ against the first one's, on the same prompts: the difference and its 95% interval from
     a paired bootstrap over prompts (`metrics.tau_difference_interval`); none with a single drafter."""
@@ -90,9 +96,8 @@ def _paired_differences(drafters, datasets, temperatures, lookup) -> list[str]:
             pairs = []
             for d in datasets:
                 a, b = lookup.get((drafter, d, temp)), lookup.get((drafters[0], d, temp))
-                if a and b and a.get("tau_by_request") and b.get("tau_by_request"):
-                    pairs.append(tuple((r["tau_by_request"]["rounds"], r["tau_by_request"]["committed"])
-                                       for r in (a, b)))  # fmt: skip
+                if _per_prompt(a) and _per_prompt(b):
+                    pairs.append((_per_prompt(a), _per_prompt(b)))
             paired = tau_difference_interval(pairs) if len(pairs) == len(datasets) else None
             if paired is not None:
                 lo, hi = paired["ci95"]
@@ -184,8 +189,7 @@ def results_markdown(results) -> str:
         if any(c and c.get("tau_ci95") for d in drafters for c in [lookup.get((d, x, temp)) for x in datasets]):
             for drafter in drafters:
                 cells = [lookup.get((drafter, d, temp)) for d in datasets]
-                groups = [(c["tau_by_request"]["rounds"], c["tau_by_request"]["committed"])
-                          for c in cells if c and c.get("tau_by_request")]  # fmt: skip
+                groups = [_per_prompt(c) for c in cells if _per_prompt(c)]
                 mean = tau_interval(groups) if len(groups) == len(cells) else None
                 table.append(
                     [f"{drafter}, 95% interval (bootstrap over prompts)"]
