@@ -15,21 +15,32 @@ from typing import Any, Callable
 _COMPILE_TIMERS = ("_compile.compile_inner", "backward._backward_impl")
 
 
-def compile_seconds() -> float:
-    """Seconds this process has spent compiling with torch.compile so far (dynamo + inductor, forward and lazy
-    backward), from torch's own timers; 0 where they are unavailable."""
+def _compile_timers() -> dict[str, list[float] | None]:
+    """torch's per-timer lists of compilation durations (None before a timer's first record, or in a torch
+    without them: the logs then show 0)."""
     try:
         from torch._dynamo.utils import compilation_time_metrics
-    except ImportError:  # a torch without them: the logs then show 0
-        return 0.0
-    return float(sum(sum(compilation_time_metrics.get(name, ())) for name in _COMPILE_TIMERS))
+    except ImportError:
+        return {}
+    return {name: compilation_time_metrics.get(name) for name in _COMPILE_TIMERS}
 
 
-def compile_seconds_since(before: float) -> float:
-    """torch.compile seconds since `compile_seconds()` read `before`. `torch.compiler.reset()` empties the timers:
-    if they now hold less, the reset came after the mark and all they hold was compiled since."""
-    now = compile_seconds()
-    return now - before if now >= before else now
+def compile_mark() -> dict:
+    """A mark for `compile_seconds_since`: each timer's list and how many durations it held."""
+    return {name: (durations, len(durations or ())) for name, durations in _compile_timers().items()}
+
+
+def compile_seconds_since(mark: dict) -> float:
+    """Seconds spent compiling with torch.compile (dynamo + inductor, forward and lazy backward) since
+    `compile_mark()` made `mark`, from torch's own timers. `torch.compiler.reset()` empties them, and they start new
+    lists: a list other than the marked one was filled entirely after the mark. (A running total cannot tell a reset
+    followed by as much compilation as before from no compilation at all.)"""
+    seconds = 0.0
+    for name, durations in _compile_timers().items():
+        held, count = mark.get(name, (None, 0))
+        if durations:
+            seconds += sum(durations[count:]) if durations is held else sum(durations)
+    return float(seconds)
 
 
 def keep_compilation_records() -> int:
@@ -94,12 +105,12 @@ def graph_captures() -> int:
     return _graph_captures
 
 
-def one_time_work_mark() -> tuple[float, int]:
-    """A mark for `one_time_work_since`: (compile seconds, graph captures) so far."""
-    return compile_seconds(), graph_captures()
+def one_time_work_mark() -> tuple[dict, int]:
+    """A mark for `one_time_work_since`: (`compile_mark()`, graph captures so far)."""
+    return compile_mark(), graph_captures()
 
 
-def one_time_work_since(mark: tuple[float, int]) -> tuple[float, int]:
+def one_time_work_since(mark: tuple[dict, int]) -> tuple[float, int]:
     """(torch.compile seconds, CUDA graphs captured) since `mark`: what a timed call spent on one-time work."""
     return compile_seconds_since(mark[0]), graph_captures() - mark[1]
 
@@ -138,8 +149,8 @@ def run_warm(call: Callable[[], Any], retime: bool = True) -> WarmRun:
 
 __all__ = [
     "WarmRun",
+    "compile_mark",
     "compile_report",
-    "compile_seconds",
     "compile_seconds_since",
     "count_graph_capture",
     "graph_captures",

@@ -36,7 +36,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_callback import ProgressCallback
 
-from ..compilation import compile_report, compile_seconds, compile_seconds_since, keep_compilation_records
+from ..compilation import compile_mark, compile_report, compile_seconds_since, keep_compilation_records
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..metrics import decoding_walk_estimates
 from ..models.anchors import anchor_candidates, sample_anchors
@@ -196,7 +196,7 @@ class DraftTrainer(Trainer):
         self._anchor_step, self._anchor_micro = -1, 0
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
         self._train_started: float | None = None
-        self._compile_s_before = 0.0
+        self._compile_mark: dict = {}
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints: True (or "true"/"latest") takes the newest
@@ -205,7 +205,7 @@ class DraftTrainer(Trainer):
             resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
         )
         self._train_started = time.monotonic()  # logs carry elapsed_s: held-out tau against training time
-        self._compile_s_before = compile_seconds()  # and compile_s: how much of it went to torch.compile
+        self._compile_mark = compile_mark()  # and compile_s: how much of it went to torch.compile
         since_us = keep_compilation_records()
         result = super().train(resume, *args, **kwargs)
         if self.is_world_process_zero():  # which functions compiled, when, how often and why: compile_report.json
@@ -480,7 +480,7 @@ class DraftTrainer(Trainer):
             logs["planned_steps"] = self.deadline.planned_steps
         if self._train_started is not None:
             logs["elapsed_s"] = round(time.monotonic() - self._train_started, 1)  # since this train() call began
-            logs["compile_s"] = round(compile_seconds_since(self._compile_s_before), 1)  # new shapes compile mid-run
+            logs["compile_s"] = round(compile_seconds_since(self._compile_mark), 1)  # new shapes compile mid-run
         if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
             # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
             steps = self.state.global_step
