@@ -12,7 +12,7 @@ import pytest
 from conftest import require_default_target
 
 from hf_dspark.data import encode_conversation, load_conversations, tokenize_conversations
-from hf_dspark.data.chat import special_token_ids
+from hf_dspark.data.chat import ROWS_PER_PROCESS, special_token_ids, tokenization_processes
 
 QWEN_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
@@ -160,6 +160,28 @@ def test_rows_with_too_few_supervised_tokens_or_no_answer_are_dropped_and_counte
     assert "dropped 3 of 4 conversations" in caplog.text
     assert "1 with no assistant turn" in caplog.text
     assert "2 with fewer supervised tokens than min_loss_tokens" in caplog.text
+
+
+def test_rows_are_the_same_whatever_the_batching_and_the_number_of_processes(smol_tokenizer):
+    """Templates render per row, texts tokenize per batch, batches spread over processes: none of it may move a
+    row's tokens or mask, nor pair a row with another row's encoding (unusable rows sit between usable ones)."""
+    rows = []
+    for k in range(48):
+        messages = copy.deepcopy(CONVERSATION if k % 2 else CONVERSATION[:2])
+        messages[1]["content"] = f"Answer {k}: " + "step " * (k % 7) + messages[1]["content"]
+        rows.append({"messages": messages, "finish": "length" if k % 5 == 0 else "stop"})
+        if k % 9 == 0:
+            rows.append({"messages": [{"role": "user", "content": f"No answer {k}."}], "finish": "stop"})
+    dataset = datasets.Dataset.from_list(rows)
+    one = tokenize_conversations(dataset, smol_tokenizer, 4096, min_loss_tokens=1, num_proc=1)
+    three = tokenize_conversations(dataset, smol_tokenizer, 4096, min_loss_tokens=1, num_proc=3)
+    usable = [row for row in rows if len(row["messages"]) > 1]
+    assert len(one) == len(three) == len(usable) == 48
+    assert one["input_ids"] == three["input_ids"] and one["loss_mask"] == three["loss_mask"]
+    for row, ids, mask in zip(usable, one["input_ids"], one["loss_mask"]):
+        alone = encode_conversation(row["messages"], smol_tokenizer, supervise_last_end=row["finish"] != "length")
+        assert (ids, mask) == alone
+    assert tokenization_processes(ROWS_PER_PROCESS - 1) == 1  # small data stays in one process
 
 
 def test_repetition_loop_finds_the_longest_periodic_end_and_ignores_ordinary_text():
