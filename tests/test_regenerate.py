@@ -232,13 +232,18 @@ def test_a_complete_last_row_missing_its_newline_is_kept(tmp_path):
 
 def test_static_cache_decoding_answers_like_the_dynamic_cache(tmp_path, target, tokenizer):
     """static_cache: every call decodes on a static cache of one length (longest prompt + max_new_tokens, rounded
-    up to 256) and, greedy in float32, writes exactly what the dynamic cache writes; all_turns cannot use it."""
-    configs = record_generate_calls(target, lambda kwargs: kwargs["generation_config"])
-    first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]
-    settings = dict(batch_size=2, max_new_tokens=12, temperature=0, progress=False)
+    up to 256) and one batch size (a smaller last batch is filled up, the filler's answers dropped) and, greedy
+    in float32, writes exactly what the dynamic cache writes; all_turns cannot use it."""
+    configs = record_generate_calls(
+        target, lambda kwargs: (kwargs["generation_config"].cache_implementation,
+                                kwargs["generation_config"].max_cache_len, kwargs["input_ids"].shape[0])
+    )  # fmt: skip
+    first_turns = [p for p in PROMPTS if len(p["turns"]) == 1]  # 4 prompts: batches of 3 and 1
+    settings = dict(batch_size=3, max_new_tokens=12, temperature=0, progress=False)
     static = regenerate_responses(target, tokenizer, first_turns, tmp_path / "static.jsonl", static_cache=True,
                                   **settings)  # fmt: skip
-    assert {(c.cache_implementation, c.max_cache_len) for c in configs} == {("static", 256)}
+    assert configs == [("static", 256, 3)] * 2
+    configs = record_generate_calls(target, lambda kwargs: kwargs["generation_config"])
     configs.clear()
     dynamic = regenerate_responses(target, tokenizer, first_turns, tmp_path / "dynamic.jsonl", **settings)
     assert {c.cache_implementation for c in configs} == {None}  # "auto" on CPU: the dynamic cache
