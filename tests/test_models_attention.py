@@ -333,3 +333,33 @@ def test_compiled_draft_layers_trace_flex_attention_into_their_graph(qwen3):
         assert counters["frames"]["ok"] == compilations
     assert not any(name in layer.__dict__ for layer in draft.layers for name in draft.compiled_layer_methods)
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_draft_layers_share_one_graph_in_grad_mode_and_train_as_eager(qwen3):
+    """In grad mode the first layer's input (frozen embeddings) does not require grad and the second's does;
+    dynamo guards on that, so without `with_input_grad` the two layers compile apart. With it, one forward graph
+    serves both, and the parameters' gradients equal the eager ones."""
+    from torch._dynamo.utils import counters
+
+    from hf_dspark.training.compiled_layers import compiled_draft_layers
+
+    draft = block_draft(DSparkModel, qwen3)
+    draft.block_mask_kind = "dense"  # CPU flex attention has no backward
+    ids, feats, _ = inputs(qwen3, draft.config.target_layer_ids, seq=40, batch=2, seed=7)
+    anchors = torch.tensor([[0, 8, 9, 30], [3, 4, 20, 33]])
+
+    def grads():
+        draft.zero_grad(set_to_none=True)
+        draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors).hidden_states.square().mean().backward()
+        return {name: p.grad.clone() for name, p in draft.named_parameters() if p.grad is not None}
+
+    eager = grads()
+    torch._dynamo.reset()
+    counters.clear()
+    with compiled_draft_layers(draft):
+        compiled = grads()
+    # One graph per compiled method (context_kv, forward), not one more for the first layer's forward.
+    assert counters["stats"]["unique_graphs"] == len(draft.compiled_layer_methods), dict(counters["stats"])
+    assert compiled.keys() == eager.keys() and compiled
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5, msg=name)
