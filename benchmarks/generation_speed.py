@@ -118,6 +118,10 @@ def parse_args(argv=None):
                         "fused-compiled-draft (both in the fused round)")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
+    parser.add_argument("--smoke-depth", choices=("tiny", "smollm2"), default="tiny",
+                        help="smollm2: the smoke target has SmolLM2's 30 layers and the DSpark draft its default 2 "
+                        "layers and block 7, at tiny widths: with --profile, a round's host operators against a "
+                        "target step's as the real model launches them")
     parser.add_argument("--profile", default=None, metavar="FILE",
                         help="after the timings, profile one call of the target alone and of the first draft at the "
                         "largest batch size (torch.profiler operator tables) into FILE")
@@ -159,20 +163,23 @@ def smoke_setup(args, device, dtype):
     from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
 
     torch.manual_seed(args.seed)
+    smollm2 = args.smoke_depth == "smollm2"
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
+        vocab_size=128, hidden_size=96 if smollm2 else 64, intermediate_size=128, num_hidden_layers=30 if smollm2 else 4,
+        num_attention_heads=6 if smollm2 else 4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # (SmolLM2 groups 3 query heads per key/value head)
     target = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
     drafts = {
-        "dspark": DSparkModel.from_target(target, num_hidden_layers=1, block_size=4, dtype=dtype),
+        "dspark": DSparkModel.from_target(target, num_hidden_layers=2 if smollm2 else 1, block_size=7 if smollm2 else 4,
+                                          dtype=dtype),  # fmt: skip
         "dflash": DFlashModel.from_target(target, num_hidden_layers=1, block_size=4, dtype=dtype),
         "eagle3": Eagle3Model.from_target(target, block_size=4, dtype=dtype),
     }
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(3, 128, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()
                for _ in range(min(args.num_prompts, 8))]
-    args.max_new_tokens = min(args.max_new_tokens, 16)
+    args.max_new_tokens = min(args.max_new_tokens, 64 if smollm2 else 16)
     args.batch_sizes = sorted({min(b, 4) for b in args.batch_sizes})
     return target, None, {k: v.eval() for k, v in drafts.items()}, prompts
 
@@ -434,7 +441,7 @@ def profile_calls(args, setup) -> None:
     ids, mask = left_pad(batch, pad_id, device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-    sections = []
+    sections, step_ops = [], None
     for name, draft in [("target alone", None), *list(drafts.items())[:1]]:
         kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
         if args.profile_temperature > 0:
@@ -454,23 +461,42 @@ def profile_calls(args, setup) -> None:
         ops = sum(e.count for e in events if e.key.startswith("aten::"))
         tokens = count_new_tokens(out, ids.shape[1], eos_ids)
         rounds = draft.last_generation_stats.acceptance.rounds if draft is not None else None
+        if draft is None:  # top-level operators of a decoding step of the target alone (its prefill as one step)
+            step_ops = sum(phase_counts(prof.events()).values()) / (out.shape[1] - ids.shape[1] + 1)
         sections.append(
             f"## {name}: batch {len(batch)}, T={args.profile_temperature:g}, {tokens} new tokens, "
             f"{seconds:.3f} s profiled, "
             f"{ops} aten operators ({ops / max(tokens, 1):.0f} per new token)\n"
             + events.table(sort_by=sort, row_limit=30)
-            + (phase_table(prof.events(), rounds) if rounds else "")
+            + (phase_table(prof.events(), rounds, step_ops) if rounds else "")
         )
     with open(args.profile, "w") as handle:
         handle.write("\n\n".join(sections))
     print(f"profile written to {args.profile}")
 
 
-def phase_table(events, rounds: int) -> str:
+def phase_table(events, rounds: int, step_ops: float | None = None) -> str:
     """Operators launched per round in each phase of the decoding loop (the "hf_dspark::" profiler ranges of
-    `hf_dspark.generation.speculative.PHASES`): each top-level aten operator (one the host dispatches itself, not
-    one inside another) goes to its innermost phase; "outside" is the rest of generate() (prefill, setup). Whole
-    rounds replayed as one graph (the fused round) have no phases."""
+    `hf_dspark.generation.speculative.PHASES`), and in target steps' worth (`step_ops`: top-level operators of
+    one step of the target alone, its prefill counted as one step). Whole rounds replayed as one graph (the fused
+    round) have no phases."""
+    counts = phase_counts(events)
+    if set(counts) <= {"outside"}:
+        return "\n(no decoding-loop phases: whole rounds ran as one graph)\n"
+    steps = lambda n: f" | {n / rounds / step_ops:.3f}" if step_ops else ""  # noqa: E731
+    lines = [f"\n### aten operators by phase of the round ({rounds} rounds)",
+             "| phase | operators | per round |" + (" target steps |" if step_ops else ""),
+             "|---|---|---|" + ("---|" if step_ops else "")]  # fmt: skip
+    for label, count in counts.most_common():
+        lines.append(f"| {label} | {count} | {count / rounds:.1f}{steps(count)} |")
+    in_rounds = sum(n for label, n in counts.items() if label != "outside")
+    lines.append(f"| all phases | {in_rounds} | {in_rounds / rounds:.1f}{steps(in_rounds)} |")
+    return "\n".join(lines) + "\n"
+
+
+def phase_counts(events) -> collections.Counter:
+    """Top-level aten operators (ones the host dispatches itself, not one inside another) by innermost phase;
+    "outside" is the rest of generate() (prefill, setup), and all of a call without phases."""
     counts = collections.Counter()
     for event in events:
         if not event.name.startswith("aten::") or (event.cpu_parent and event.cpu_parent.name.startswith("aten::")):
@@ -482,13 +508,7 @@ def phase_table(events, rounds: int) -> str:
                 break
             parent = parent.cpu_parent
         counts[label] += 1
-    if set(counts) <= {"outside"}:
-        return "\n(no decoding-loop phases: whole rounds ran as one graph)\n"
-    lines = [f"\n### aten operators by phase of the round ({rounds} rounds)", "| phase | operators | per round |",
-             "|---|---|---|"]  # fmt: skip
-    for label, count in counts.most_common():
-        lines.append(f"| {label} | {count} | {count / rounds:.1f} |")
-    return "\n".join(lines) + "\n"
+    return counts
 
 
 # -- report -----------------------------------------------------------------------------------------------------

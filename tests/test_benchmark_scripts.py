@@ -55,8 +55,14 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     text = profile.read_text()
     assert "per new token" in text
     # The draft's call: operators per round in each phase of the decoding loop, every phase present.
-    phases = dict(line.split(" | ")[:2] for line in text.split("by phase of the round")[1].splitlines()[3:] if line)
-    assert {f"| {name}" for name in PHASES} <= set(phases)
+    lines = [line for line in text.split("by phase of the round")[1].splitlines()[3:] if line.startswith("|")]
+    phases = {cells[0]: [float(c) for c in cells[1:]] for cells in (line.strip("| ").split(" | ") for line in lines)}
+    assert set(PHASES) <= set(phases)
+    # Each phase also in target steps' worth (operators a round / a target-alone step's); the total is the phases'.
+    total = phases.pop("all phases")
+    in_rounds = [v for name, v in phases.items() if name != "outside"]
+    assert total[0] == sum(v[0] for v in in_rounds) and total[2] > 0
+    assert total[2] == pytest.approx(sum(v[2] for v in in_rounds), abs=0.01)
 
 
 def test_a_timed_call_that_compiled_runs_again_from_the_same_random_state(generation_speed, monkeypatch):

@@ -75,10 +75,10 @@ class StaticTargetRunner:
     generation saves."""
 
     def __init__(self, model, cache_kwarg: str, layer_shapes: list[tuple], rows: int, width: int, capacity: int,
-                 mask_kind: str, capture: bool, device: torch.device, compile: bool = False):
+                 capture: bool, device: torch.device, compile: bool = False):
         self._model = weakref.ref(model)  # runners are kept per model (static_target_runner): no cycle through it
         self.cache_kwarg = cache_kwarg
-        self.rows, self.width, self.capacity, self.mask_kind = int(rows), int(width), int(capacity), mask_kind
+        self.rows, self.width, self.capacity = int(rows), int(width), int(capacity)
         self.mask_dtype = next(model.parameters()).dtype
         keys = [torch.zeros(rows, heads, capacity, dim, dtype=dtype, device=device) for heads, dim, dtype in layer_shapes]
         values = [torch.zeros_like(k) for k in keys]
@@ -122,8 +122,6 @@ class StaticTargetRunner:
         rel = self.cols[None, :] - self.length_t  # [1, capacity]: column offset from the window's start
         in_window = (rel >= 0) & (rel <= self.slot[:, None])  # [width, capacity]
         allowed = self.key_valid[:, None, None, :] | in_window[None, None]
-        if self.mask_kind == "bool":
-            return allowed
         zero = torch.zeros((), dtype=self.mask_dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.finfo(self.mask_dtype).min)
 
@@ -205,15 +203,15 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> 
 
 
 def static_target_runner(model, cache_kwarg: str, prefill_cache, rows: int, width: int, capacity: int,
-                         mask_kind: str, capture: bool, compile: bool = False) -> StaticTargetRunner:
+                         capture: bool, compile: bool = False) -> StaticTargetRunner:
     """The target's runner for this call: the last one when the shape matches and its capacity fits, so its graph
     is replayed again; else a new one (`kept_runner`)."""
     layers = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype) for layer in prefill_cache.layers)
     device = prefill_cache.layers[0].keys.device
     # Replaced weights (a reload, .to()) would leave a graph reading freed memory: their address is in the key.
-    key = (cache_kwarg, layers, rows, width, mask_kind, capture, compile, str(device), next(model.parameters()).data_ptr())
+    key = (cache_kwarg, layers, rows, width, capture, compile, str(device), next(model.parameters()).data_ptr())
     build = lambda cap: StaticTargetRunner(  # noqa: E731
-        model, cache_kwarg, list(layers), rows, width, cap, mask_kind, capture, device, compile
+        model, cache_kwarg, list(layers), rows, width, cap, capture, device, compile
     )
     return kept_runner(_RUNNERS, model, key, capacity, lambda r: r.capacity, build)
 
