@@ -165,9 +165,9 @@ def smoke_setup(args, device, dtype):
     torch.manual_seed(args.seed)
     smollm2 = args.smoke_depth == "smollm2"
     config = LlamaConfig(
-        vocab_size=128, hidden_size=96 if smollm2 else 64, intermediate_size=128, num_hidden_layers=30 if smollm2 else 4,
-        num_attention_heads=6 if smollm2 else 4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
-        bos_token_id=1, eos_token_id=2,
+        vocab_size=128, hidden_size=96 if smollm2 else 64, intermediate_size=128,
+        num_hidden_layers=30 if smollm2 else 4, num_attention_heads=6 if smollm2 else 4, num_key_value_heads=2,
+        max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # (SmolLM2 groups 3 query heads per key/value head)
     target = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
     drafts = {
