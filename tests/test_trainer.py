@@ -9,7 +9,8 @@ import datasets
 import pytest
 import torch
 from conftest import make_tiny_target
-from transformers import AutoModel, set_seed
+from host_syncs import HostSyncs
+from transformers import AutoModel, TrainerCallback, set_seed
 
 from hf_dspark import DSparkModel
 from hf_dspark.data import TargetCacheError, build_target_cache, load_target_cache
@@ -776,3 +777,30 @@ def test_evaluation_walks_the_held_out_text_as_decoding_would(tmp_path, algorith
     trainer.args.num_anchors = trainer.model.config.num_anchors = 8  # fewer than every row's answer positions
     metrics = trainer.evaluate()
     assert metrics["eval_walk_rows_skipped"] == 4 and "eval_tau_walk_greedy" not in metrics
+
+
+@pytest.mark.parametrize("nan_inf_filter", [False, True], ids=["default", "nan-inf-filter"])
+def test_a_training_step_makes_the_host_wait_once(tmp_path, nan_inf_filter):
+    """A host synchronization leaves the GPU idle while the host prepares what comes next. A step has one: the
+    loss's row compaction (`_masked_rows_loss`). transformers' NaN/inf filter of the logged loss adds two a step
+    (`torch.isnan(loss) or torch.isinf(loss)`), so the draft's arguments turn it off by default."""
+    target = make_tiny_target("llama")
+    kw = {} if not nan_inf_filter else {"logging_nan_inf_filter": True}
+    args = make_args(tmp_path, max_steps=5, logging_steps=100, num_hidden_layers=2, **kw)
+    assert args.logging_nan_inf_filter is nan_inf_filter
+    current = {"step": None}
+
+    class Steps(TrainerCallback):  # label the calls from a step's start to its end (logging comes after)
+        def on_step_begin(self, args, state, control, **kwargs):
+            current["step"] = state.global_step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            current["step"] = None
+
+    trainer = DraftTrainer(model=fresh_draft(target, tmp_path), args=args, train_dataset=tokenized_rows(16),
+                           target_model=target, callbacks=[Steps()])  # fmt: skip
+    with HostSyncs(lambda: current["step"]) as syncs:
+        trainer.train()
+    per_step = 3 if nan_inf_filter else 1
+    assert dict(syncs.counts) == {step: per_step for step in range(5)}, dict(syncs.calls)
+    assert all(name in ("nonzero", "__bool__") for _, name in syncs.calls), dict(syncs.calls)

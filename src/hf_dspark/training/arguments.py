@@ -33,6 +33,12 @@ class DraftTrainingArguments(TrainingArguments):
         metadata={"help": "Skip each epoch's last, smaller training batch: a new batch shape recompiles the compiled "
                   "kernels (the order changes every epoch, so no row is always skipped). Evaluation keeps every row."},
     )  # fmt: skip
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={"help": "Log a NaN/inf step loss as the running average instead (transformers' default, True, "
+                  "reads every step's loss back to the host: a synchronization that leaves the GPU idle while the "
+                  "host prepares the next step). Off, a NaN loss shows in the log as it is."},
+    )  # fmt: skip
 
     # -- draft ---------------------------------------------------------------------------------------------------
     algorithm: str = field(default="dspark", metadata={"help": "Drafter to train: dspark, dflash or eagle3."})
