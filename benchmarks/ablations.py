@@ -197,10 +197,14 @@ def step_rate(folder: Path) -> dict:
     train = [(h["step"], h["elapsed_s"]) for h in history if "loss" in h and "elapsed_s" in h]
     rates = [(e1 - ends[s0]) / (s1 - s0) for (s0, _), (s1, e1) in zip(train, train[1:]) if s1 > s0]
     compiled = [h["compile_s"] for h in history if "compile_s" in h]
+    summary = next((h for h in history if "train_runtime" in h), {})
     return {
         "first_log": {"step": train[0][0], "elapsed_s": train[0][1]} if train else None,
         "seconds_per_step": statistics.median(rates) if rates else None,
         "compile_s": compiled[-1] if compiled else None,
+        # The wait for the first step: the process's start to train(), then train() to the end of step 1.
+        "startup_s": summary.get("startup_s"),
+        "first_step_s": summary.get("first_step_s"),
     }
 
 
@@ -259,13 +263,15 @@ def main(argv=None) -> dict:
     plot_curves(results, root / "ablations.png")
     # The walked values count rounds as decoding runs them (the all-anchor means overstate decoding on loops).
     decoded = report.get("decoding_eval", {}).get("mean_tau", {})
-    print("| variant | flags | last step | s/step | compile s | held-out τ_prob / τ_greedy "
-          "| walked as decoding, prob / greedy | decoded mean τ, T 0 / 1 |\n" + "|---" * 8 + "|")
+    print("| variant | flags | last step | s/step | compile s | first step at s | held-out τ_prob / τ_greedy "
+          "| walked as decoding, prob / greedy | decoded mean τ, T 0 / 1 |\n" + "|---" * 9 + "|")
     nan = float("nan")
     for name, r in results.items():
         last = r["held_out"][-1] if r["held_out"] else {}
         rate = f"{r['seconds_per_step']:.3f}" if r.get("seconds_per_step") else "-"
         compiled = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "-"
+        waits = [r.get("startup_s"), r.get("first_step_s")]
+        first = f"{sum(waits):.1f} ({waits[0]:.1f} + {waits[1]:.1f})" if None not in waits else "-"
         label = lambda p: p[5:-1] + ": " if p != "eval_" else ""  # noqa: E731
         tau = "; ".join(f"{label(p)}{last[p + 'tau_prob']:.3f} / {last.get(p + 'tau_greedy', nan):.3f}"
                         for p in held_out_sets(last)) or "-"  # fmt: skip
@@ -274,7 +280,7 @@ def main(argv=None) -> dict:
         means = decoded.get(name, {})
         mean = " / ".join(f"{means[t]:.2f}" if t in means else "-" for t in ("T0", "T1")) if means else "-"
         print(f"| {name} | {' '.join(r['flags']) or '(defaults)'} | {last.get('step', '-')} | {rate} | {compiled} | "
-              f"{tau} | {walked} | {mean} |")
+              f"{first} | {tau} | {walked} | {mean} |")
     return report
 
 

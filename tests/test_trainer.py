@@ -804,3 +804,17 @@ def test_a_training_step_makes_the_host_wait_once(tmp_path, nan_inf_filter):
     per_step = 3 if nan_inf_filter else 1
     assert dict(syncs.counts) == {step: per_step for step in range(5)}, dict(syncs.calls)
     assert all(name in ("nonzero", "__bool__") for _, name in syncs.calls), dict(syncs.calls)
+
+
+def test_the_summary_says_how_long_the_first_step_took_to_come(tmp_path):
+    """startup_s (process start to train()) and first_step_s (train() to the end of step 1) in the run's summary:
+    together the wait for the first step that the throughput goal bounds."""
+    target = make_tiny_target("llama")
+    trainer = DraftTrainer(model=fresh_draft(target, tmp_path), args=make_args(tmp_path, max_steps=3),
+                           train_dataset=tokenized_rows(), target_model=target)  # fmt: skip
+    trainer.train()
+    summary = next(h for h in trainer.state.log_history if "train_runtime" in h)
+    assert 0 < summary["first_step_s"] <= summary["elapsed_s"] + 0.05  # both from the train() call
+    assert trainer.startup_s is not None and summary["startup_s"] == round(trainer.startup_s, 1) > 0
+    first_loss_at = next(h["elapsed_s"] for h in trainer.state.log_history if "loss" in h)  # logged after step 1
+    assert trainer.first_step_s <= first_loss_at + 0.05

@@ -25,8 +25,10 @@ import contextlib
 import json
 import logging
 import math
+import os
 import statistics
 import time
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -197,6 +199,10 @@ class DraftTrainer(Trainer):
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
         self._train_started: float | None = None
         self._compile_mark: dict = {}
+        # Time to the first step, as a user waits for it: the process's start to train(), then to step 1's end.
+        self.startup_s: float | None = None
+        self.first_step_s: float | None = None
+        self.add_callback(_FirstStepTimer(self))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`, resuming only from complete checkpoints: True (or "true"/"latest") takes the newest
@@ -205,6 +211,7 @@ class DraftTrainer(Trainer):
             resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
         )
         self._train_started = time.monotonic()  # logs carry elapsed_s: held-out tau against training time
+        self.startup_s, self.first_step_s = process_age_s(), None
         self._compile_mark = compile_mark()  # and compile_s: how much of it went to torch.compile
         since_us = keep_compilation_records()
         result = super().train(resume, *args, **kwargs)
@@ -481,6 +488,9 @@ class DraftTrainer(Trainer):
         if self._train_started is not None:
             logs["elapsed_s"] = round(time.monotonic() - self._train_started, 1)  # since this train() call began
             logs["compile_s"] = round(compile_seconds_since(self._compile_mark), 1)  # new shapes compile mid-run
+        if "train_runtime" in logs:  # the run's summary: how long the user waited for its first step
+            logs.update({k: round(v, 1) for k, v in (("startup_s", self.startup_s), ("first_step_s", self.first_step_s))
+                         if v is not None})  # fmt: skip
         if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
             # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
             steps = self.state.global_step
@@ -488,6 +498,31 @@ class DraftTrainer(Trainer):
             logs["train_samples_per_second"] = round(steps * self.args.train_batch_size * self.args.gradient_accumulation_steps
                                                      * self.args.world_size / logs["train_runtime"], 3)
         super().log(logs, start_time)
+
+
+class _FirstStepTimer(TrainerCallback):
+    """Sets the trainer's `first_step_s` at the end of the first optimizer step of its train() call (loading a
+    checkpoint, building the data loader and compiling the first shapes included; the step's last kernels may
+    still be running on a GPU)."""
+
+    def __init__(self, trainer: "DraftTrainer"):
+        self.trainer = weakref.proxy(trainer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer.first_step_s is None and self.trainer._train_started is not None:
+            self.trainer.first_step_s = time.monotonic() - self.trainer._train_started
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration, AttributeError):
+        return None
 
 
 def _eval_prefix(logs: dict) -> str:
