@@ -20,7 +20,8 @@ class CompiledLayers:
     kind (the same code; the weights are graph inputs); a new input shape compiles again (with `dynamic=None`
     the second one is dynamic). `recompile_limit` raises dynamo's per-function limit (default 8) inside the
     block: past it dynamo silently runs the function uncompiled. Forward hooks stay outside the compiled code.
-    `input_grad=True`: in grad mode each method's first argument always requires grad (`with_input_grad`)."""
+    The methods named in `input_grad_methods` get a first argument that requires grad in grad mode
+    (`with_input_grad`)."""
 
     def __init__(
         self,
@@ -28,14 +29,13 @@ class CompiledLayers:
         methods: Sequence[str] = ("forward",),
         dynamic: bool | None = None,
         recompile_limit: int | None = None,
-        input_grad: bool = False,
+        input_grad_methods: Sequence[str] = (),
     ):
-        wrap = with_input_grad if input_grad else (lambda fn: fn)
-        self.pairs = [
-            (layer, name, wrap(torch.compile(getattr(layer, name), dynamic=dynamic)))
-            for layer in layers
-            for name in methods
-        ]
+        def compiled(layer, name):
+            fn = torch.compile(getattr(layer, name), dynamic=dynamic)
+            return with_input_grad(fn) if name in input_grad_methods else fn
+
+        self.pairs = [(layer, name, compiled(layer, name)) for layer in layers for name in methods]
         if not self.pairs:
             raise ValueError(f"no layer has the methods {tuple(methods)} to compile")
         self._limits = {}
@@ -83,10 +83,11 @@ def with_input_grad(fn):
 def compiled_draft_layers(draft: nn.Module) -> CompiledLayers:
     """The draft's `compiled_layer_methods`, as training compiles them (`compile_draft_layers`): static shapes,
     since flex attention inside is compiled per padded length anyway and CPU inductor cannot compile it with
-    symbolic lengths; a padded length per recompilation, so dynamo's limit is raised; every layer's input
-    requires grad, so the layers share their graphs."""
+    symbolic lengths; a padded length per recompilation, so dynamo's limit is raised. Every decoder layer's
+    input requires grad, so a stack's first layer shares the later ones' graphs (Eagle3 compiles no `forward`: its
+    one layer's pieces keep their inputs as they are)."""
     return CompiledLayers(draft.layers, draft.compiled_layer_methods, dynamic=False, recompile_limit=64,
-                          input_grad=True)  # fmt: skip
+                          input_grad_methods=("forward",))  # fmt: skip
 
 
 __all__ = ["CompiledLayers", "compiled_draft_layers", "with_input_grad"]
