@@ -489,8 +489,8 @@ class DraftTrainer(Trainer):
             logs["elapsed_s"] = round(time.monotonic() - self._train_started, 1)  # since this train() call began
             logs["compile_s"] = round(compile_seconds_since(self._compile_mark), 1)  # new shapes compile mid-run
         if "train_runtime" in logs:  # the run's summary: how long the user waited for its first step
-            logs.update({k: round(v, 1) for k, v in (("startup_s", self.startup_s), ("first_step_s", self.first_step_s))
-                         if v is not None})  # fmt: skip
+            waits = {"startup_s": self.startup_s, "first_step_s": self.first_step_s}
+            logs.update({k: round(v, 1) for k, v in waits.items() if v is not None})
         if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
             # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
             steps = self.state.global_step
