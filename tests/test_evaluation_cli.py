@@ -164,6 +164,47 @@ def test_eval_static_baseline(workdir, capsys):
     assert "target alone, static cache" in markdown and "one StaticCache length (256 tokens)" in markdown
 
 
+def test_eval_without_the_eager_baseline(workdir, capsys):
+    """--eager_baseline false: the target alone runs on the static cache only (no eager call of it at all), the
+    teacher-forced τ reads the static run's answers, rows carry no eager speedup; without the static baseline
+    there would be none, which is refused."""
+    import hf_dspark.evaluation.runner as runner
+
+    out = workdir / "out-no-eager"
+    calls = []
+    original = runner._generate
+
+    def generate(target, inputs, generation_config, eos_ids, draft=None, generate_kwargs=None, static=None):
+        calls.append("draft" if draft is not None else "static" if static is not None else "eager")
+        return original(target, inputs, generation_config, eos_ids, draft, generate_kwargs, static)
+
+    runner._generate = generate
+    try:
+        code = main([
+            "eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dspark"), "--data",
+            str(workdir / "prompts.jsonl"), "--num_prompts", "2", "--max_new_tokens", "6", "--output_dir", str(out),
+            "--no_progress", "--no_plots", "--static_baseline", "--eager_baseline", "false",
+        ])
+    finally:
+        runner._generate = original
+    assert code == 0 and "eager" not in calls and {"static", "draft"} <= set(calls)
+    data = json.loads((out / "results.json").read_text())
+    assert "--eager_baseline false" in data["command"] and data["settings"]["eager_baseline"] is False
+    (baseline,) = data["baselines"]
+    assert baseline["tokens_per_s"] is None and baseline["static_cache"]["tokens_per_s"] > 0
+    (row,) = data["results"]
+    assert row["speedup"] is None and row["speedup_vs_static_target"] > 0
+    assert row["teacher_forced"]["tau_greedy"] >= 1.0  # on the static run's answers
+    markdown = (out / "results.md").read_text()
+    assert "ran on its static cache only" in markdown and "–x" not in markdown
+    capsys.readouterr()
+    code = main(["eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dspark"), "--data",
+                 str(workdir / "prompts.jsonl"), "--num_prompts", "1", "--max_new_tokens", "2", "--output_dir",
+                 str(workdir / "out-none"), "--no_progress", "--no_plots", "--static_baseline", "false",
+                 "--eager_baseline", "false"])  # fmt: skip
+    assert code == 2 and "pass static_baseline=True (--static_baseline true)" in capsys.readouterr().err
+
+
 def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path, capsys):
     code = main(["eval", "--target", str(workdir / "target"), "--draft", str(workdir / "dflash"), "--data",
                  str(tmp_path / "nope.jsonl"), "--output_dir", str(tmp_path / "out")])

@@ -49,6 +49,9 @@ class EvalArguments:
                                  "generate() on CUDA), the fastest target-alone baseline; rows gain "
                                  "speedup_vs_static_target. auto: on CUDA; a bare --static_baseline means true",
                                  nargs="?", const="true", choices=["auto", "true", "false"])  # fmt: skip
+    eager_baseline: str = field("true", help="time the target alone on its eager path too (false: the static "
+                                "baseline only, the slowest part of an evaluation skipped; rows then have no "
+                                "eager speedup)", choices=["true", "false"])  # fmt: skip
     no_warmup: bool = field(False, help="skip the untimed warm-up generate() calls")
     no_plots: bool = field(False, help="write JSON and markdown only")
     no_teacher_forced: bool = field(False, help="skip each draft's teacher-forced τ on the target's own answers")
@@ -102,6 +105,8 @@ def _command_line(args: EvalArguments) -> str:
         parts += ["--generate_kwargs", json.dumps(args.generate_kwargs)]
     if args.static_baseline != "auto":
         parts += ["--static_baseline", args.static_baseline]
+    if args.eager_baseline != "true":
+        parts += ["--eager_baseline", args.eager_baseline]
     flags = (("--no_warmup", args.no_warmup), ("--no_plots", args.no_plots),
              ("--no_teacher_forced", args.no_teacher_forced))  # fmt: skip
     parts += [flag for flag, on in flags if on]
@@ -162,6 +167,7 @@ def run_eval(args: EvalArguments) -> int:
         # The honest baseline by default where it exists: transformers compiles static-cache decoding on CUDA only.
         static_baseline={"true": True, "false": False}.get(args.static_baseline, device.startswith("cuda")),
         teacher_forced=not args.no_teacher_forced,
+        eager_baseline=args.eager_baseline == "true",
     )
     from .report import results_markdown
 

@@ -44,6 +44,12 @@ def _fmt(value, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _times(value) -> str:
+    """A speedup: "2.10x", or "–" where there is none."""
+    text = _fmt(value)
+    return text + "x" if text != "–" else text
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -151,10 +157,14 @@ def results_markdown(results) -> str:
         )
         how = ("each whole round as one CUDA graph (dspark_fused_round; draft s is then inside verify s)"
                if all(r.get("fused_round") for r in rows) else "the target's verify forward as a CUDA graph")
-        out.append(
-            f"- the drafts verified through the static path ({how}, generate()'s default on CUDA); the target "
-            f"alone ran eagerly, so part of the speedup is the graphs ({compared})"
-        )
+        if settings.get("eager_baseline", True):
+            out.append(
+                f"- the drafts verified through the static path ({how}, generate()'s default on CUDA); the target "
+                f"alone ran eagerly, so part of the speedup is the graphs ({compared})"
+            )
+    if not settings.get("eager_baseline", True):
+        out.append("- the target alone ran on its static cache only (--eager_baseline false): speedups are against "
+                   "that baseline, the teacher-forced rows read its answers")  # fmt: skip
     with_fill = any("row_fill" in b for b in results.baselines)  # results saved before it was measured have none
     if with_fill:
         out.append(
@@ -183,7 +193,7 @@ def results_markdown(results) -> str:
             table.append(
                 [drafter]
                 + [_fmt(c["tau"]) if c else "–" for c in cells]
-                + [_fmt(c["speedup"]) + "x" if c else "–" for c in cells]
+                + [_times(c["speedup"]) if c else "–" for c in cells]
                 + [_fmt(sum(taus) / len(taus)) if taus else "–"]
             )
         if any(c and c.get("tau_ci95") for d in drafters for c in [lookup.get((d, x, temp)) for x in datasets]):
@@ -223,7 +233,7 @@ def results_markdown(results) -> str:
                 table.append(
                     [f"{drafter} vs static target"]
                     + ["" for _ in datasets]
-                    + [_fmt(c.get("speedup_vs_static_target")) + "x" if c else "–" for c in cells]
+                    + [_times(c.get("speedup_vs_static_target")) if c else "–" for c in cells]
                     + [""]
                 )
         if any(c and c.get("teacher_forced") for d in drafters for c in [lookup.get((d, x, temp)) for x in datasets]):
@@ -261,7 +271,7 @@ def results_markdown(results) -> str:
          "rounds", "draft s", "verify s", "wall s"],
         [
             [r["drafter"], r["dataset"], f"{r['temperature']:g}", _fmt(r["tokens_per_s"], 1),
-             _fmt(r["target_tokens_per_s"], 1), _fmt(r["speedup"]) + "x", _fmt(r.get("verify_efficiency"), 3),
+             _fmt(r["target_tokens_per_s"], 1), _times(r["speedup"]), _fmt(r.get("verify_efficiency"), 3),
              str(r.get("verified_tokens", "–")), str(r.get("rounds", "–")), _fmt(r.get("draft_time_s")),
              _fmt(r.get("verify_time_s")), _fmt(r.get("wall_time_s"))]
             for r in rows
