@@ -103,6 +103,10 @@ def parse_args(argv=None):
     p.add_argument("--eval_prompts", type=int, default=16, help="prompts per file for --eval_data")
     p.add_argument("--eval_max_new_tokens", type=int, default=256)
     p.add_argument("--eval_batch_size", type=int, default=16)
+    p.add_argument("--eval_baselines", choices=["both", "static"], default="both",
+                   help="target-alone baselines of the decoding eval: eager and static cache (both), or the static "
+                   "cache only (static: hf-dspark eval --eager_baseline false, the eager target being its slowest "
+                   "part on a GPU)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -301,6 +305,8 @@ def decoding_eval(args, root: Path, results: dict, flags_order: list[str]) -> di
         cmd += ["--target", args.target]
     if args.device == "cpu":
         cmd += ["--device", "cpu"]
+    if args.eval_baselines == "static":
+        cmd += ["--static_baseline", "true", "--eager_baseline", "false"]
     with open(root / "eval.log", "w") as log:
         code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
     tau: dict = {}

@@ -301,7 +301,7 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
                              "--output_dir", str(out), "--variants", "baseline", "--data_variant", f"more_data={both}",
                              "--eval_file", str(held_out),
                              "--eval_data", str(prompts), "--eval_prompts", "2", "--eval_max_new_tokens", "8",
-                             "--eval_batch_size", "2"])  # fmt: skip
+                             "--eval_batch_size", "2", "--eval_baselines", "static"])  # fmt: skip
     assert set(report["variants"]) == {"baseline", "more_data"}
     # The data variant trained on its own files (12 + 6 conversations), the baseline on --data's 12.
     assert report["variants"]["more_data"]["flags"] == ["--train_file", str(tiny_setup / "chats.jsonl"), str(more)]
@@ -322,6 +322,7 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
     # Every variant's draft decoded on the same prompts, greedy and T = 1.
     decoding = report["decoding_eval"]
     assert decoding["returncode"] == 0, (out / "eval.log").read_text()[-2000:]
+    assert "--static_baseline true --eager_baseline false" in decoding["command"]  # --eval_baselines static
     assert set(decoding["tau"]) == {"baseline", "more_data"}
     assert all(set(t) == {"prompts@T0", "prompts@T1"} and min(t.values()) >= 1.0 for t in decoding["tau"].values())
     assert decoding["mean_tau"]["baseline"] == {"T0": decoding["tau"]["baseline"]["prompts@T0"],
