@@ -50,9 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import hardware  # noqa: E402
 
-from hf_dspark.compilation import run_warm
+from hf_dspark.compilation import run_warm, timing_checks
 from hf_dspark.data.prompts import count_new_tokens, eos_token_ids, new_token_lengths
-from hf_dspark.evaluation.runner import TIMING_CHECKS
 from hf_dspark.metrics import batched_decoding_speed
 from hf_dspark.evaluation.static_baseline import StaticTargetBaseline
 
@@ -195,7 +194,7 @@ def _sync(device: torch.device) -> None:
 def run_method(row, target, prompts, batch_size, temperature, args, pad_id, eos_ids, draft=None, extra=None,
                static=None):
     """Generate every prompt batch once (after one warm-up batch per batch shape) into `row` (new tokens, seconds,
-    the timing checks of `hf_dspark.evaluation.runner.TIMING_CHECKS`): (outputs, merged stats). `static`: a
+    the timing checks of `hf_dspark.compilation.TIMING_CHECKS`): (outputs, merged stats). `static`: a
     StaticTargetBaseline, whose fixed-length StaticCache each call of the target alone uses."""
     from hf_dspark.data.prompts import left_pad
 
@@ -227,15 +226,12 @@ def run_method(row, target, prompts, batch_size, temperature, args, pad_id, eos_
         longest = max(batches, key=lambda batch: max(len(p) for p in batch))
         for warm in [*{len(batches[0]): batches[0], len(batches[-1]): batches[-1]}.values(), longest]:
             timed_generate(warm)
-    tokens, seconds, outputs, stats = 0, 0.0, [], None
-    checks = dict.fromkeys(TIMING_CHECKS, 0)
+    tokens, seconds, outputs, stats, runs = 0, 0.0, [], None, []
     torch.manual_seed(args.seed)
     for batch in batches:
         warm = run_warm(lambda: timed_generate(batch))  # a shape the warm-ups missed: run again, warm, same draws
+        runs.append(warm)
         ids, out, elapsed = warm.result
-        checks["retimed_calls"] += warm.retimed
-        checks["compile_s_in_timing"] += warm.compile_s
-        checks["graph_captures_in_timing"] += warm.captures
         seconds += elapsed
         tokens += count_new_tokens(out, ids.shape[1], eos_ids)
         outputs.append(out[:, ids.shape[1] :].cpu())
@@ -243,11 +239,11 @@ def run_method(row, target, prompts, batch_size, temperature, args, pad_id, eos_
             call = draft.last_generation_stats
             stats = call if stats is None else stats.merge(call)
     row.new_tokens, row.seconds = tokens, seconds
-    row.extra.update(checks, compile_s_in_timing=round(checks["compile_s_in_timing"], 3))
+    checks = timing_checks(runs)
+    row.extra.update(checks)
     if checks["compile_s_in_timing"] or checks["graph_captures_in_timing"]:
         row.note = (row.note + "; " if row.note else "") + "timing holds one-time work (compile / graph capture)"
     return outputs, stats
-
 
 
 def special_ids(target, tokenizer) -> tuple[int, list[int]]:

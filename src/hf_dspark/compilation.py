@@ -125,6 +125,22 @@ class WarmRun:
     retimed: bool
 
 
+# What a timing says about itself: calls run twice because their first run compiled or captured (the warm second
+# timing kept), and the torch.compile seconds / CUDA graph captures left in the kept timings.
+TIMING_CHECKS = ("retimed_calls", "compile_s_in_timing", "graph_captures_in_timing")
+
+
+def timing_checks(runs) -> dict:
+    """`TIMING_CHECKS` summed over timed calls that carry `retimed`, `compile_s` and `captures` (a `WarmRun`, or
+    a record copied from one)."""
+    runs = list(runs)
+    return {
+        "retimed_calls": sum(r.retimed for r in runs),
+        "compile_s_in_timing": round(sum(r.compile_s for r in runs), 3),
+        "graph_captures_in_timing": sum(r.captures for r in runs),
+    }
+
+
 def run_warm(call: Callable[[], Any], retime: bool = True) -> WarmRun:
     """`call()`, with the one-time work it did (torch.compile seconds, CUDA graph captures). With `retime`, a call
     that did some (a shape its warm-up missed) runs again from the random state it started from, so it samples the
@@ -148,6 +164,7 @@ def run_warm(call: Callable[[], Any], retime: bool = True) -> WarmRun:
 
 
 __all__ = [
+    "TIMING_CHECKS",
     "WarmRun",
     "compile_mark",
     "compile_report",
@@ -158,4 +175,5 @@ __all__ = [
     "one_time_work_mark",
     "one_time_work_since",
     "run_warm",
+    "timing_checks",
 ]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .calibration import calibration_summary, uncalibrate_records
-from ..compilation import run_warm
+from ..compilation import TIMING_CHECKS, run_warm, timing_checks
 from ..metrics import AcceptanceStats, batched_decoding_speed
 from .report import save_results
 from ..data.prompts import count_new_tokens, encode_chat_prompts, eos_token_ids, first_turns, left_pad, new_token_lengths  # noqa: F401 (count_new_tokens: re-exported)
@@ -454,8 +454,8 @@ def evaluate_drafts(
                     if teacher_forced:
                         row["teacher_forced"] = _teacher_forced(draft, target, target_calls, batch_size, seed)
                     if static_baseline:
-                        static_speed = baseline["static_cache"]["tokens_per_s"]
-                        row["speedup_vs_static_target"] = row["tokens_per_s"] / static_speed if static_speed else float("nan")
+                        row["speedup_vs_static_target"] = _ratio(row["tokens_per_s"],
+                                                                 baseline["static_cache"]["tokens_per_s"])
                     results.rows.append(row)
                     if curves is not None:
                         results.reliability[(draft_name, data_name, temp)] = curves
@@ -485,16 +485,14 @@ def _speed(calls: list[_CallResult]) -> dict:
     one-time work their timings hold (`TIMING_CHECKS`)."""
     return batched_decoding_speed(
         sum(c.new_tokens for c in calls), sum(c.seconds for c in calls), [(c.longest, c.rows) for c in calls]
-    ) | {
-        "retimed_calls": sum(c.retimed for c in calls),
-        "compile_s_in_timing": round(sum(c.compile_s for c in calls), 3),
-        "graph_captures_in_timing": sum(c.captures for c in calls),
-    }
+    ) | timing_checks(calls)
 
 
-# What each row and baseline says about its timings: calls run twice because their first run compiled or captured
-# (the warm second timing kept), and the torch.compile seconds / CUDA graph captures left in the kept timings.
-TIMING_CHECKS = ("retimed_calls", "compile_s_in_timing", "graph_captures_in_timing")
+def _ratio(tokens_per_s: float, baseline_tokens_per_s: float | None) -> float | None:
+    """A speedup over a baseline: None without one (a skipped baseline), NaN when it measured nothing."""
+    if baseline_tokens_per_s is None:
+        return None
+    return tokens_per_s / baseline_tokens_per_s if baseline_tokens_per_s else float("nan")
 
 
 def _total(values):
@@ -522,8 +520,7 @@ def _draft_row(name, draft, data_name, temperature, calls, base, num_prompts, n_
         "accept_rate_by_position": acceptance.pop("accept_rate_by_position"),
         "tau_by_request": {"rounds": request_rounds, "committed": request_committed},
         "tokens_per_s": speed["tokens_per_s"],
-        "speedup": (speed["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else float("nan"))
-        if base["tokens_per_s"] is not None else None,  # None: the eager baseline was skipped
+        "speedup": _ratio(speed["tokens_per_s"], base["tokens_per_s"]),  # None: the eager baseline was skipped
         "target_tokens_per_s": base["tokens_per_s"],
         "num_prompts": num_prompts,
         "model_type": draft.config.model_type,
