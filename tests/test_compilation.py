@@ -49,3 +49,8 @@ def test_run_warm_reruns_only_a_call_that_compiled_and_keeps_its_draws():
     runs.clear()
     cold = run_warm(lambda: call(True), retime=False)
     assert len(runs) == 1 and not cold.retimed and cold.compile_s > 0
+    runs.clear()
+    torch.manual_seed(0)
+    rehearsed = run_warm(lambda: call(True), rehearse=True)  # the first run compiled; the kept one did not
+    assert len(runs) == 2 and not rehearsed.retimed and rehearsed.compile_s == 0
+    assert torch.equal(rehearsed.result, expected)

@@ -253,7 +253,8 @@ def test_drafts_warm_up_again_at_each_temperature(workdir, tmp_path, monkeypatch
     monkeypatch.setattr(runner, "_generate", recording)
     evaluate_drafts(target, tokenizer, {"dspark": draft}, [prompts], max_new_tokens=4, batch_size=1,
                     temperature=[0, 1], progress=False, plots=False, teacher_forced=False)  # fmt: skip
-    assert draft_calls == [False, False, True, True]  # per temperature: the warm-up, then the timed prompt
+    # per temperature: the warm-up, then the prompt rehearsed untimed and timed
+    assert draft_calls == [False] * 3 + [True] * 3
 
 
 def test_a_timed_call_that_compiled_is_timed_again_warm(workdir, monkeypatch):
@@ -287,9 +288,13 @@ def test_a_timed_call_that_compiled_is_timed_again_warm(workdir, monkeypatch):
         return results, len(draft_calls)
 
     clean, _ = evaluate(compile_on_call=0, warmup=True)
-    retimed, calls = evaluate(compile_on_call=2, warmup=True)  # call 1 is the warm-up, call 2 the first timed one
+    rehearsed, calls = evaluate(compile_on_call=2, warmup=True)  # call 1 is the warm-up, 2 the first rehearsal
+    assert calls == 5 and rehearsed.rows[0]["retimed_calls"] == 0  # one-time work in a rehearsal stays untimed
+    assert rehearsed.rows[0]["compile_s_in_timing"] == 0 and rehearsed.settings["draft_calls_rehearsed"]
+    assert "ran once untimed before its timed run" in results_markdown(rehearsed)
+    retimed, calls = evaluate(compile_on_call=3, warmup=True)  # call 3: the first timed one
     row, clean_row = retimed.rows[0], clean.rows[0]
-    assert calls == 4  # the warm-up, two timed prompts, the first of them once more
+    assert calls == 6  # the warm-up, two prompts rehearsed and timed, the first of them timed once more
     assert (row["retimed_calls"], row["compile_s_in_timing"], row["graph_captures_in_timing"]) == (1, 0, 0)
     assert (row["tau"], row["new_tokens"]) == (clean_row["tau"], clean_row["new_tokens"])  # same seed, same outputs
     per_prompt = row["tau_by_request"]  # one entry per prompt, in prompt order, summing to the row's totals
