@@ -117,12 +117,14 @@ def phase_times(trainer, steps: int, warmup: int, cuda: bool) -> dict[str, list[
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
     out: dict[str, list[float]] = defaultdict(list)
     from hf_dspark.models.anchors import sample_anchors
+    from hf_dspark.training.collator import LOSS_ROWS_BOUND
     from hf_dspark.training.losses import draft_loss
 
     for step in range(warmup + steps):
         sync()
         t = [time.perf_counter()]
         batch = next(loader)
+        max_rows = batch.pop(LOSS_ROWS_BOUND, None)  # counted by the collator on the host, as the trainer uses it
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         sync(); t.append(time.perf_counter())  # fmt: skip
         inputs = dict(batch)
@@ -139,7 +141,7 @@ def phase_times(trainer, steps: int, warmup: int, cuda: bool) -> dict[str, list[
             outputs = model(**inputs)
         sync(); t.append(time.perf_counter())  # fmt: skip
         with autocast:
-            kwargs = {"compile": trainer.args.compile_loss}
+            kwargs = {"compile": trainer.args.compile_loss, "max_rows": max_rows}
             backend = getattr(trainer.args, "loss_backend", None)
             if backend is not None:
                 kwargs["backend"] = backend

@@ -63,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--loss_backend", default="torch", choices=["torch", "triton", "auto"],
                    help="the vocabulary-wide loss's backend (default: torch, the trainer's default; auto: Triton on CUDA)")
     p.add_argument("--gradient_checkpointing", action="store_true", help="recompute decoder layers in backward")
+    p.add_argument("--loss_rows", choices=["host", "device"], default="host",
+                   help="the loss's row count: from the host (as the trainer's collator gives it; no wait a step) "
+                   "or counted on the device (one wait a step)")  # fmt: skip
     p.add_argument("--compile_draft_layers", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the draft's layer methods (the trainer's compile_draft_layers; default as "
                    "there: on CUDA without gradient checkpointing)")  # fmt: skip
@@ -154,6 +157,9 @@ def main(argv=None):
     if args.compile_draft_layers:  # as the trainer does it
         layers = compiled_draft_layers(draft)
 
+    # the fixed batch's row bound, counted once on the host (the trainer's collator does it for every batch)
+    max_rows = draft.loss_rows_bound_fn()(loss_mask.cpu()) if args.loss_rows == "host" else None
+
     def step(i: int):
         generator = torch.Generator(device=device).manual_seed(i)
         positions, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, fixed_count=True)
@@ -161,7 +167,7 @@ def main(argv=None):
             out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
                         anchor_mask=valid)  # fmt: skip
         result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss,
-                                  backend=args.loss_backend)  # fmt: skip
+                                  backend=args.loss_backend, max_rows=max_rows)  # fmt: skip
         result.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -211,6 +217,7 @@ def main(argv=None):
         "loss_backend": args.loss_backend,
         "gradient_checkpointing": args.gradient_checkpointing,
         "compile_draft_layers": args.compile_draft_layers,
+        "loss_rows_counted_on": args.loss_rows,
         "chunk_elements": args.chunk_elements,
         "shapes": {
             "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "intermediate": cfg.intermediate_size,

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import add_draft_shape_args, bench_training_args  # noqa: E402
 
 from hf_dspark.data import build_target_cache, load_conversations, load_target_cache, tokenize_conversations
-from hf_dspark.training import DraftTrainer, build_draft
+from hf_dspark.training import DraftDataCollator, DraftTrainer, build_draft
 
 
 def parse_args(argv=None):
@@ -74,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--compile_draft_layers", nargs="+", choices=["off", "on"], default=None,
                    help="train each drafter with its layer methods eager (off), compiled (on), or both in turn "
                    "(default: the trainer's, on for CUDA)")  # fmt: skip
+    p.add_argument("--loss_rows", nargs="+", choices=["host", "device"], default=["host"],
+                   help="who counts the loss's rows: the collator on the host (the trainer's default, no wait a "
+                   "step), the device (one wait a step), or both in turn")  # fmt: skip
     p.add_argument("--dataloader_num_workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -145,12 +148,12 @@ def main(argv=None):
     cache_probe = probe_cache_sizes(args, target, tokenizer, eval_rows) if args.probe_cache_rows else {}
 
     results, max_steps = [], args.max_steps
-    variants = [(a, c) for a in args.algorithms for c in args.compile_draft_layers]
-    for index, (algorithm, compiled_layers) in enumerate(variants):
-        name = algorithm + ("-compiled-layers" if compiled_layers == "on" else "")
+    variants = [(a, c, r) for a in args.algorithms for c in args.compile_draft_layers for r in args.loss_rows]
+    for index, (algorithm, compiled_layers, loss_rows) in enumerate(variants):
+        name = algorithm + ("-compiled-layers" if compiled_layers == "on" else "") + f"-{loss_rows}-rows"
         output_dir = str(Path(args.output_dir) / name) if len(variants) > 1 else args.output_dir
         result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
-                           compile_draft_layers=compiled_layers == "on")  # fmt: skip
+                           compile_draft_layers=compiled_layers == "on", loss_rows=loss_rows)  # fmt: skip
         result["setup_s"] = setup_s
         results.append(result)
         if index == 0 and args.same_steps:
@@ -203,7 +206,7 @@ def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
 
 
 def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
-              compile_draft_layers=False) -> dict:  # fmt: skip
+              compile_draft_layers=False, loss_rows="host") -> dict:  # fmt: skip
     """Train one drafter (online or from a cache) and measure it."""
     training_args = bench_training_args(
         args, algorithm, output_dir, cuda,
@@ -251,9 +254,13 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
 
     trainer_ref = []
     meter = Throughput(trainer_ref, args.warmup_steps_excluded, args.time_budget, cuda)
+    collator = None
+    if loss_rows == "device":  # the loss counts its rows on the device: one wait a step (the trainer's way before)
+        pad = draft.config.pad_token_id if draft.config.pad_token_id is not None else 0
+        collator = DraftDataCollator(pad, training_args.pad_to_multiple_of, loss_rows_bound=False)
     trainer = DraftTrainer(
         model=draft, args=training_args, train_dataset=train_data, eval_dataset=eval_data,
-        target_model=online_target, callbacks=[meter],
+        target_model=online_target, callbacks=[meter], data_collator=collator,
     )  # fmt: skip
     trainer_ref.append(trainer)
     if cuda:
@@ -300,6 +307,7 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         "attention": args.attention,
         "compile_loss": args.compile_loss,
         "compile_draft_layers": compile_draft_layers,
+        "loss_rows_counted_on": loss_rows,
         "draft_dir": output_dir,
         **cache_info,
     }
@@ -313,6 +321,7 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         h = r["heldout"]
         compiled = ", compiled layers" if r.get("compile_draft_layers") else ""
+        compiled += ", rows counted on the device" if r.get("loss_rows_counted_on") == "device" else ""
         print(f"| {r['algorithm']} ({r['draft']['layers']} layers{compiled}) | {r['steps']} "
               f"| {fmt(r['measured_s'], '.1f')} "
               f"| {fmt(r['supervised_block_tokens_per_s'], ',.0f')} | {r['peak_memory_gib']:.2f} "

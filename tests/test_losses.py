@@ -131,10 +131,12 @@ def test_chunk_size_does_not_change_the_result():
         torch.testing.assert_close(grad, results[0][2])
 
 
+@pytest.mark.parametrize("bound", [None, "exact", "above", "every row"])
 @pytest.mark.parametrize("kept", ["some", "all", "none"])
-def test_row_mask_skips_zero_weight_rows_exactly(kept):
+def test_row_mask_skips_zero_weight_rows_exactly(kept, bound):
     """Masked-out rows never reach the vocabulary-wide math: same loss and gradients as weighting them by zero,
-    zero statistics and gradient on those rows."""
+    zero statistics and gradient on those rows. The same with a host-known bound on the kept rows (`max_rows`,
+    no read-back), whatever its slack; a bound below the count is an error, not a silently smaller loss."""
     torch.manual_seed(2)
     S, d, r, V = 11, 8, 3, 40
     h = torch.randn(S, d, dtype=torch.float64, requires_grad=True)
@@ -145,8 +147,10 @@ def test_row_mask_skips_zero_weight_rows_exactly(kept):
     mask = {"some": torch.rand(S) < 0.5, "all": torch.ones(S, dtype=torch.bool), "none": torch.zeros(S, dtype=torch.bool)}[kept]
     a, b = (torch.rand(S, dtype=torch.float64) * mask for _ in range(2))
     kwargs = dict(target_hidden=t, markov_features=z, markov_weight=W2, l1_weight=b, chunk_elements=3 * V)
+    count = int(mask.sum())
+    max_rows = {None: None, "exact": count, "above": min(count + 3, S), "every row": S}[bound]
     full, full_stats = fused_head_loss(h, W, labels, a, **kwargs)
-    masked, stats = fused_head_loss(h, W, labels, a, row_mask=mask, **kwargs)
+    masked, stats = fused_head_loss(h, W, labels, a, row_mask=mask, max_rows=max_rows, **kwargs)
     torch.testing.assert_close(masked, full)
     for got, want in zip(torch.autograd.grad(masked, [h, z, W2]), torch.autograd.grad(full, [h, z, W2])):
         torch.testing.assert_close(got, want)
@@ -157,6 +161,9 @@ def test_row_mask_skips_zero_weight_rows_exactly(kept):
     assert torch.equal(stats.greedy_match[mask], full_stats.greedy_match[mask])
     with pytest.raises(ValueError, match="one entry per row"):
         fused_head_loss(h, W, labels, a, row_mask=mask[:-1], **kwargs)
+    if count:
+        with pytest.raises(RuntimeError, match="max_rows is below the number of loss rows"):
+            fused_head_loss(h, W, labels, a, row_mask=mask, max_rows=count - 1, **kwargs)
 
 
 def test_chunk_rows_bound_the_fp32_buffer():

@@ -779,15 +779,22 @@ def test_evaluation_walks_the_held_out_text_as_decoding_would(tmp_path, algorith
     assert metrics["eval_walk_rows_skipped"] == 4 and "eval_tau_walk_greedy" not in metrics
 
 
-@pytest.mark.parametrize("nan_inf_filter", [False, True], ids=["default", "nan-inf-filter"])
-def test_a_training_step_makes_the_host_wait_once(tmp_path, nan_inf_filter):
-    """A host synchronization leaves the GPU idle while the host prepares what comes next. A step has one: the
-    loss's row compaction (`_masked_rows_loss`). transformers' NaN/inf filter of the logged loss adds two a step
-    (`torch.isnan(loss) or torch.isinf(loss)`), so the draft's arguments turn it off by default."""
+def _drafter_kw(algorithm: str) -> dict:
+    return {"algorithm": algorithm, "num_anchors": None if algorithm == "eagle3" else 8}
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("case", ["default", "nan-inf-filter", "rows counted on the device"])
+def test_a_training_step_never_makes_the_host_wait(tmp_path, algorithm, case):
+    """A host synchronization leaves the GPU idle while the host prepares what comes next. The loss's row
+    compaction counted its rows on the device (one wait a step) until the collator counted them on the host
+    (`loss_rows_bound_fn`); with `loss_rows_bound=False` it still does. transformers' NaN/inf filter of the
+    logged loss adds two a step (`torch.isnan(loss) or torch.isinf(loss)`), so the draft's arguments turn it off."""
     target = make_tiny_target("llama")
-    kw = {} if not nan_inf_filter else {"logging_nan_inf_filter": True}
-    args = make_args(tmp_path, max_steps=5, logging_steps=100, num_hidden_layers=2, **kw)
-    assert args.logging_nan_inf_filter is nan_inf_filter
+    kw = {"logging_nan_inf_filter": True} if case == "nan-inf-filter" else {}
+    args = make_args(tmp_path, max_steps=5, logging_steps=100, num_hidden_layers=2, **_drafter_kw(algorithm), **kw)
+    assert args.logging_nan_inf_filter is (case == "nan-inf-filter")
+    collator = DraftDataCollator(loss_rows_bound=False) if case == "rows counted on the device" else None
     current = {"step": None}
 
     class Steps(TrainerCallback):  # label the calls from a step's start to its end (logging comes after)
@@ -797,13 +804,45 @@ def test_a_training_step_makes_the_host_wait_once(tmp_path, nan_inf_filter):
         def on_step_end(self, args, state, control, **kwargs):
             current["step"] = None
 
-    trainer = DraftTrainer(model=fresh_draft(target, tmp_path), args=args, train_dataset=tokenized_rows(16),
-                           target_model=target, callbacks=[Steps()])  # fmt: skip
+    trainer = DraftTrainer(model=fresh_draft(target, tmp_path, **_drafter_kw(algorithm)), args=args,
+                           train_dataset=tokenized_rows(16), target_model=target, callbacks=[Steps()],
+                           data_collator=collator)  # fmt: skip
     with HostSyncs(lambda: current["step"]) as syncs:
         trainer.train()
-    per_step = 3 if nan_inf_filter else 1
-    assert dict(syncs.counts) == {step: per_step for step in range(5)}, dict(syncs.calls)
+    per_step = {"default": 0, "nan-inf-filter": 2, "rows counted on the device": 1}[case]
+    assert dict(syncs.counts) == ({step: per_step for step in range(5)} if per_step else {}), dict(syncs.calls)
     assert all(name in ("nonzero", "__bool__") for _, name in syncs.calls), dict(syncs.calls)
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
+def test_the_host_counted_loss_rows_bound_every_step(tmp_path, monkeypatch, algorithm):
+    """The collator's count (`loss_rows_bound_fn`) is never below the rows the step's loss has: exact for Eagle3,
+    above it for block drafters only by slots past an answer's end, in training and evaluation batches."""
+    from hf_dspark.training import losses
+
+    seen = []
+    masked_rows_loss = losses._masked_rows_loss
+
+    def recording(row_mask, *args, max_rows=None, **kwargs):
+        seen.append((int(row_mask.sum()), max_rows, row_mask.numel()))
+        return masked_rows_loss(row_mask, *args, max_rows=max_rows, **kwargs)
+
+    monkeypatch.setattr(losses, "_masked_rows_loss", recording)
+    target = make_tiny_target("llama")
+    args = make_args(tmp_path, max_steps=4, **_drafter_kw(algorithm))
+    trainer = DraftTrainer(model=fresh_draft(target, tmp_path, **_drafter_kw(algorithm)), args=args,
+                           train_dataset=tokenized_rows(16), eval_dataset=tokenized_rows(4, seed=1),
+                           target_model=target)  # fmt: skip
+    trainer.train()
+    trainer.evaluate()
+    assert len(seen) >= 5 and all(bound is not None for _, bound, _ in seen)
+    block = args.block_size
+    for count, bound, rows in seen:
+        if algorithm == "eagle3":
+            assert bound == count
+        else:  # each sequence (rows / (8 anchors x K slots)) loses at most 1 + 2 + ... + (K - 1) slots at its end
+            sequences = rows // (8 * block)
+            assert count <= bound <= count + sequences * block * (block - 1) // 2, (count, bound, sequences)
 
 
 def test_the_summary_says_how_long_the_first_step_took_to_come(tmp_path):

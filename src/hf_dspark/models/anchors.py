@@ -55,6 +55,16 @@ def sample_anchors(
     return positions, valid.gather(1, order)
 
 
+def anchor_slots_bound(loss_mask: torch.Tensor, num_anchors: int, block_size: int) -> int:
+    """At most how many block slots of a batch are supervised (its loss rows): every anchor
+    `sample_anchors(..., fixed_count=True)` can find, times the block size (slots past an answer's end are not
+    supervised, so the bound is above the count by a few slots an answer). From a collated batch on the host, it
+    sizes the loss's row buffer without a read-back from the device. `loss_mask` already times the attention mask."""
+    per_row = anchor_candidates(loss_mask).sum(dim=1)
+    n = max(1, min(num_anchors, loss_mask.shape[1] - 1))
+    return block_size * int(per_row.clamp(max=n).sum())
+
+
 def block_positions(anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B, N] -> [B, N * block_size]: RoPE position p_n + j of every slot."""
     offsets = torch.arange(block_size, device=anchor_positions.device)

@@ -155,6 +155,13 @@ class DraftPreTrainedModel(PreTrainedModel):
         """Publish weights, config, model card and the remote-code shim (see `hf_dspark.hub.push_draft`)."""
         return _service("push_draft")(self, repo_id, **kwargs)
 
+    def loss_rows_bound_fn(self) -> Callable[[torch.Tensor], int] | None:
+        """A picklable function of a collated batch's loss mask (times its attention mask, on the host) giving at
+        most how many loss rows that batch's training step has. The trainer's collator adds its value to each
+        batch, so the loss sizes its row buffer without reading a count back from the device (a training step
+        then never waits for the device). None: unknown, and the loss counts its rows on the device."""
+        return None
+
     def freeze_target_io(self) -> None:
         """Embeddings and lm_head belong to the target: never trained."""
         self.embed_tokens.weight.requires_grad_(False)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 FEATURE_KEYS = ("context_features", "target_last_hidden")
+# A Python int in the batch, not a tensor (so it stays on the host): at most how many loss rows the batch has.
+LOSS_ROWS_BOUND = "loss_rows_bound"
 
 
 def _as_tensor(value: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -22,12 +25,17 @@ class DraftDataCollator:
     Rows of a tokenized dataset (online mode) hold `input_ids` and `loss_mask`; rows of a target cache also hold
     the features, which keep their storage dtype (bf16/fp16) until the draft casts them. Padding has
     `loss_mask = attention_mask = 0`, so it is never an anchor nor a label.
+
+    `loss_rows_bound` (the draft's `loss_rows_bound_fn()`, which `DraftTrainer` sets where it is None) adds
+    `LOSS_ROWS_BOUND`: its value on the batch's loss mask, counted here on the host so that the training step
+    need not read it back. False: never (the loss then counts its rows on the device, one wait a step).
     """
 
     pad_token_id: int = 0
     pad_to_multiple_of: int | None = 8
+    loss_rows_bound: Callable[[torch.Tensor], int] | bool | None = None
 
-    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         if not rows:
             raise ValueError("cannot collate an empty batch")
         for key in ("input_ids", "loss_mask"):
@@ -67,7 +75,9 @@ class DraftDataCollator:
                 if value.shape[0] != n:
                     raise ValueError(f"row {i}: `{key}` covers {value.shape[0]} positions but the row has {n} tokens")
                 batch_out[key][i, :n] = value
+        if callable(self.loss_rows_bound):
+            batch_out[LOSS_ROWS_BOUND] = int(self.loss_rows_bound(batch_out["loss_mask"] * batch_out["attention_mask"]))
         return batch_out
 
 
-__all__ = ["DraftDataCollator", "FEATURE_KEYS"]
+__all__ = ["DraftDataCollator", "FEATURE_KEYS", "LOSS_ROWS_BOUND"]

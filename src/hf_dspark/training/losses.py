@@ -298,6 +298,7 @@ def fused_head_loss(
     compile: bool = False,
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
+    max_rows: int | None = None,
 ) -> tuple[torch.Tensor, HeadStats]:
     """sum_i ce_weight_i CE_i + l1_weight_i L1_i + soft_ce_weight_i SCE_i over rows, without [S, V] tensors.
 
@@ -308,9 +309,11 @@ def fused_head_loss(
     backend: "auto" | "triton" | "torch" (module docstring). compile applies to "torch" only; chunk_elements
     bounds the [rows, V] buffers of "torch" (and of the Triton kernels' "chunked" gradient mode).
     row_mask [S] (bool): rows whose weights are all zero may be listed as False; only the True rows reach the
-    vocabulary-wide kernels (one host synchronization to count them) and the others get zero statistics and
-    zero gradient. Training batches are up to ~40% such rows (dummy anchors of short sequences, slots past the
-    end), and the loss is most of a step.
+    vocabulary-wide kernels and the others get zero statistics and zero gradient. Training batches are up to ~40%
+    such rows (dummy anchors of short sequences, slots past the end), and the loss is most of a step. Counting
+    the True rows makes the host wait for the device, unless `max_rows` (an int the host knows, at least their
+    number: `DraftPreTrainedModel.loss_rows_bound_fn`) sizes the buffer: then the True rows in order, and past
+    their number rows with zero weights.
     Returns (scalar fp32 loss, HeadStats with per-row ce / l1 / soft_ce / greedy_match).
     """
     if row_mask is not None:
@@ -318,7 +321,7 @@ def fused_head_loss(
             row_mask, hidden, lm_weight, labels, ce_weight, target_hidden=target_hidden,
             markov_features=markov_features, markov_weight=markov_weight, l1_weight=l1_weight,
             soft_ce_weight=soft_ce_weight, softcap=softcap, chunk_elements=chunk_elements, compile=compile,
-            backend=backend,
+            backend=backend, max_rows=max_rows,
         )
     if (l1_weight is not None or soft_ce_weight is not None) and target_hidden is None:
         raise ValueError("the L1 and soft cross-entropy terms need target_hidden (the target's final hidden states)")
@@ -363,37 +366,59 @@ def fused_head_loss(
     )
 
 
-def _masked_rows_loss(row_mask, hidden, lm_weight, labels, ce_weight, **kwargs) -> tuple[torch.Tensor, HeadStats]:
+def _masked_rows_loss(
+    row_mask, hidden, lm_weight, labels, ce_weight, max_rows=None, **kwargs
+) -> tuple[torch.Tensor, HeadStats]:
     """`fused_head_loss` over the rows where row_mask is True; zero statistics (and gradient) for the others."""
     if row_mask.shape != labels.shape:
         raise ValueError(f"row_mask has shape {tuple(row_mask.shape)}, expected one entry per row {tuple(labels.shape)}")
-    keep = row_mask.reshape(-1).nonzero().squeeze(1)  # the one host synchronization
     rows = labels.shape[0]
-    if keep.numel() == rows:
-        return fused_head_loss(hidden, lm_weight, labels, ce_weight, **kwargs)
-    if keep.numel() == 0:  # nothing to learn from: a zero loss that still reaches every input (DDP)
-        zero = hidden.sum() * 0.0
-        if kwargs.get("markov_features") is not None:
-            zero = zero + kwargs["markov_features"].sum() * 0.0
-        if kwargs.get("markov_weight") is not None and kwargs["markov_weight"].requires_grad:
-            zero = zero + kwargs["markov_weight"].sum() * 0.0
-        has_target = kwargs.get("target_hidden") is not None
-        acc = torch.promote_types(_compute_dtype(hidden, lm_weight), torch.float32)
-        stat = hidden.new_zeros(rows, dtype=acc)
-        return zero.to(acc), HeadStats(
-            ce=stat, l1=stat if has_target else None,
-            soft_ce=stat if kwargs.get("soft_ce_weight") is not None else None,
-            greedy_match=torch.zeros(rows, dtype=torch.bool, device=hidden.device) if has_target else None,
-        )
+    row_mask = row_mask.reshape(-1).bool()
+    if max_rows is None:
+        keep = row_mask.nonzero().squeeze(1)  # the host waits for the device to count the rows
+        if keep.numel() == rows:
+            return fused_head_loss(hidden, lm_weight, labels, ce_weight, **kwargs)
+        real = None
+        size = keep.numel()
+    else:
+        size = min(max(int(max_rows), 0), rows)
+        # The True rows first, in their order, then False ones: their weights are zeroed below. No read-back.
+        keep = torch.argsort((~row_mask).to(torch.uint8), stable=True)[:size]
+        real = row_mask.index_select(0, keep)
+        # a bound below the count would drop rows silently: fail instead (on CUDA without waiting for it)
+        torch._assert_async(row_mask.sum() <= size, "max_rows is below the number of loss rows")
+    if size == 0:
+        return _no_rows_loss(rows, hidden, lm_weight, **kwargs)
     pick = lambda t: None if t is None else t.index_select(0, keep)  # noqa: E731
-    for key in ("target_hidden", "markov_features", "l1_weight", "soft_ce_weight"):
+    # padding rows (max_rows above the count): zero weights, a valid label, statistics dropped when spread back
+    only_real = lambda t: t if real is None or t is None else torch.where(real, t, torch.zeros_like(t))  # noqa: E731
+    for key in ("target_hidden", "markov_features"):
         kwargs[key] = pick(kwargs.get(key))
-    loss, stats = fused_head_loss(pick(hidden), lm_weight, pick(labels), pick(ce_weight), **kwargs)
+    for key in ("l1_weight", "soft_ce_weight"):
+        kwargs[key] = only_real(pick(kwargs.get(key)))
+    loss, stats = fused_head_loss(pick(hidden), lm_weight, only_real(pick(labels)), only_real(pick(ce_weight)), **kwargs)
 
     def spread(t):  # [kept] -> [rows], zeros elsewhere
-        return None if t is None else t.new_zeros(rows).index_copy_(0, keep, t)
+        return None if t is None else t.new_zeros(rows).index_copy_(0, keep, only_real(t))
 
     return loss, HeadStats(*(spread(getattr(stats, f)) for f in ("ce", "l1", "soft_ce", "greedy_match")))
+
+
+def _no_rows_loss(rows, hidden, lm_weight, **kwargs) -> tuple[torch.Tensor, HeadStats]:
+    """Nothing to learn from: a zero loss that still reaches every input (DDP), zero statistics."""
+    zero = hidden.sum() * 0.0
+    if kwargs.get("markov_features") is not None:
+        zero = zero + kwargs["markov_features"].sum() * 0.0
+    if kwargs.get("markov_weight") is not None and kwargs["markov_weight"].requires_grad:
+        zero = zero + kwargs["markov_weight"].sum() * 0.0
+    has_target = kwargs.get("target_hidden") is not None
+    acc = torch.promote_types(_compute_dtype(hidden, lm_weight), torch.float32)
+    stat = hidden.new_zeros(rows, dtype=acc)
+    return zero.to(acc), HeadStats(
+        ce=stat, l1=stat if has_target else None,
+        soft_ce=stat if kwargs.get("soft_ce_weight") is not None else None,
+        greedy_match=torch.zeros(rows, dtype=torch.bool, device=hidden.device) if has_target else None,
+    )
 
 
 # -- objectives ---------------------------------------------------------------------------------------------------
@@ -461,7 +486,7 @@ def _normalized(weight: torch.Tensor, normalization: str, sequence_dim: int) -> 
 
 def block_draft_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
-    normalization: str = "token",
+    normalization: str = "token", max_rows: int | None = None,
 ) -> DraftLossOutput:
     """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring; `normalization`: `_normalized`)."""
     cfg = draft.config
@@ -493,6 +518,7 @@ def block_draft_loss(
         compile=compile,
         backend=backend,
         row_mask=(mask > 0).reshape(-1),
+        max_rows=max_rows,
     )
     shape = weight.shape
     terms = {"loss_ce": (weight * stats.ce.view(shape)).sum()}
@@ -515,7 +541,7 @@ def block_draft_loss(
 
 def eagle3_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
-    normalization: str = "token",
+    normalization: str = "token", max_rows: int | None = None,
 ) -> DraftLossOutput:
     """Eagle3 training-time-test objective from an `Eagle3Output` (see the module docstring)."""
     cfg = draft.config
@@ -542,6 +568,7 @@ def eagle3_loss(
         compile=compile,
         backend=backend,
         row_mask=(mask > 0).reshape(-1),
+        max_rows=max_rows,
     )
     shape = weight.shape
     terms = {"loss_soft_ce": (weight * stats.soft_ce.view(shape)).sum()}

@@ -14,14 +14,15 @@ hidden states a cache stores.
 Anchors are sampled here, not inside the draft, from a generator on the training device seeded by (data_seed or
 seed, global step, micro-step, process index): a run resumed from a checkpoint, and online vs cached training on
 the same data, see the same anchors. The number of blocks per row is min(num_anchors, T - 1), a function of the
-padded length only, so the step has no host synchronization and compiled attention kernels see few distinct
-shapes.
+padded length only, so compiled attention kernels see few distinct shapes; the collator counts on the host how
+many loss rows a batch has at most (`loss_rows_bound_fn`), so a step has no host synchronization.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -45,7 +46,7 @@ from ..models.anchors import anchor_candidates, sample_anchors
 from ..target import decoder_layers, target_features
 from .arguments import DraftTrainingArguments, draft_layer_compile_blocker
 from .checkpoints import resolve_resume_checkpoint
-from .collator import DraftDataCollator
+from .collator import LOSS_ROWS_BOUND, DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
 from .losses import draft_loss
 
@@ -165,6 +166,9 @@ class DraftTrainer(Trainer):
             pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
             multiple = getattr(args, "pad_to_multiple_of", 8)
             data_collator = DraftDataCollator(pad_token_id=pad, pad_to_multiple_of=multiple)
+        if isinstance(data_collator, DraftDataCollator) and data_collator.loss_rows_bound is None:
+            # the loss rows counted on the host: a training step then never waits for the device
+            data_collator = dataclasses.replace(data_collator, loss_rows_bound=model.loss_rows_bound_fn())
         super().__init__(
             model=model,
             args=args,
@@ -267,6 +271,7 @@ class DraftTrainer(Trainer):
         mode = "train" if model.training else "eval"
         draft = self.accelerator.unwrap_model(model)
         inputs = dict(inputs)
+        max_rows = inputs.pop(LOSS_ROWS_BOUND, None)
         if "context_features" not in inputs:
             inputs.update(self._target_features(draft, inputs))
         if hasattr(draft.config, "num_anchors"):
@@ -284,6 +289,7 @@ class DraftTrainer(Trainer):
                 compile=getattr(self.args, "compile_loss", False),
                 backend=getattr(self.args, "loss_backend", "auto"),
                 normalization=getattr(self.args, "loss_normalization", "token"),
+                max_rows=max_rows,
             )
         self._record(mode, result)
         if mode == "eval" and result.blocks:

@@ -12,6 +12,7 @@ cache; the Markov head samples left to right.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
-from ..anchors import block_positions, dense_block_mask, flex_block_mask, sample_anchors
+from ..anchors import anchor_slots_bound, block_positions, dense_block_mask, flex_block_mask, sample_anchors
 from ..backbone import DraftDecoderLayer
 from ..context_cache import DraftContextCache
 from ..heads import MARKOV_HEADS, ConfidenceHead
@@ -70,6 +71,10 @@ class DSparkModel(DraftPreTrainedModel):
             rank = config.markov_rank if config.confidence_head_with_markov else 0
             self.confidence_head = ConfidenceHead(config.hidden_size, rank)
         self.post_init()
+
+    def loss_rows_bound_fn(self):
+        return functools.partial(anchor_slots_bound, num_anchors=self.config.num_anchors,
+                                 block_size=self.config.block_size)  # fmt: skip
 
     @classmethod
     def _from_target_defaults(cls, spec: TargetSpec) -> dict:

@@ -11,6 +11,7 @@ last one pairs with the anchor), and draft step j reuses the same rule from the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,9 @@ class Eagle3Model(DraftPreTrainedModel):
     @classmethod
     def _block_size_field(cls) -> str:
         return "ttt_length"
+
+    def loss_rows_bound_fn(self):
+        return functools.partial(ttt_rows_count, steps=self.config.ttt_length)
 
     @property
     def layer(self) -> Eagle3DecoderLayer:
@@ -213,6 +217,13 @@ class Eagle3Model(DraftPreTrainedModel):
 
 def _impl(model: nn.Module) -> str:
     return model.config._attn_implementation or "sdpa"
+
+
+def ttt_rows_count(loss_mask: torch.Tensor, steps: int) -> int:
+    """How many loss rows a batch's training step has (step j supervises the loss-mask positions from 2 + j on,
+    as `forward` shifts them): `loss_rows_bound_fn`, exact for Eagle3."""
+    lm = loss_mask.bool()
+    return sum(int(lm[:, 2 + j :].sum()) for j in range(steps))
 
 
 def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
