@@ -845,6 +845,15 @@ def test_the_host_counted_loss_rows_bound_every_step(tmp_path, monkeypatch, algo
             assert count <= bound <= count + sequences * block * (block - 1) // 2, (count, bound, sequences)
 
 
+def test_row_lengths_for_length_grouping_come_from_arrow_and_follow_selections():
+    from hf_dspark.training.trainer import _row_lengths
+
+    rows = tokenized_rows(12)
+    picked = rows.select([7, 2, 11]).filter(lambda r: len(r["input_ids"]) > 20)  # an indices mapping, then a filter
+    for dataset in (rows, picked):
+        assert _row_lengths(dataset) == [len(ids) for ids in dataset["input_ids"]]
+
+
 def test_the_summary_says_how_long_the_first_step_took_to_come(tmp_path):
     """startup_s (process start to train()) and first_step_s (train() to the end of step 1) in the run's summary:
     together the wait for the first step that the throughput goal bounds."""

@@ -565,6 +565,10 @@ def _row_lengths(dataset) -> list[int] | None:
         return list(lengths)
     try:
         if "input_ids" in (getattr(dataset, "column_names", None) or ()):
+            if hasattr(dataset, "with_format"):  # a datasets.Dataset: from Arrow's offsets (17 k rows: 0.55 s -> 2 ms)
+                import pyarrow.compute as pc
+
+                return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
             return [len(ids) for ids in dataset["input_ids"]]
     except (TypeError, KeyError):
         pass
