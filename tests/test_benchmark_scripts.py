@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import load_script
@@ -144,3 +145,26 @@ def test_regenerate_speed_smoke_times_every_mode(tmp_path):
     grouped, plain, continuous = (report["results"][m] for m in ("grouped", "plain", "continuous"))
     assert grouped["decoding_steps"] == plain["decoding_steps"] > 0 and grouped["ms_per_step"] > 0
     assert grouped["cut_at_limit"] == plain["cut_at_limit"] == continuous["cut_at_limit"]
+
+
+def test_acceptance_depth_reads_both_report_forms_and_models_tau(tmp_path):
+    """The depth profile from the stored markdown report and from an eval's results.json agree; the model's
+    tau is 1 + sum of the reach probabilities (8 for a block of 7 that always accepts)."""
+    depth = load_script("benchmarks/acceptance_depth.py")
+    assert depth.modelled_tau(1.0, 1.0, 7) == 8.0
+    assert depth.modelled_tau(0.5, 1.0, 2) == 1.75 and depth.modelled_tau(0.5, 0.5, 2) == 1.625
+    report = "benchmarks/results/drafters_smollm2_3.5min_alone_eval.md"
+    rates = depth.read_rates(Path(report))
+    assert rates[("dflash", "gsm8k", 0.0)][:2] == [0.65, 0.60] and len(rates) == 18  # 3 drafters x 3 sets x 2 T
+    results = [{"drafter": d, "dataset": s, "temperature": t, "accept_rate_by_position": v}
+               for (d, s, t), v in rates.items()]  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps({"results": results}))
+    out_md, out_json = tmp_path / "md.json", tmp_path / "json.json"
+    for source, out in ((report, out_md), (tmp_path / "results.json", out_json)):
+        assert depth.main(["--report", str(source), "--drafters", "baseline", "dflash", "--json", str(out)]) == 0
+    md, js = json.loads(out_md.read_text()), json.loads(out_json.read_text())
+    assert md["temperatures"] == js["temperatures"]
+    profile = md["temperatures"]["0"]["profiles"]
+    assert profile["baseline"]["later_over_first"] > 1 > profile["dflash"]["later_over_first"]  # the measured shape
+    with pytest.raises(ValueError, match="no acceptance rates for drafter 'nope'"):
+        depth.main(["--report", report, "--drafters", "baseline", "nope"])
