@@ -209,6 +209,9 @@ def step_rate(folder: Path) -> dict:
         # The wait for the first step: the process's start to train(), then train() to the end of step 1.
         "startup_s": summary.get("startup_s"),
         "first_step_s": summary.get("first_step_s"),
+        # where the wait before train() went (train_draft's phases: process start and imports, target, data, ...)
+        "startup_phases": {k[len("startup_"):-2]: v for k, v in summary.items()
+                           if k.startswith("startup_") and k.endswith("_s") and k != "startup_s"},  # fmt: skip
     }
 
 

@@ -233,7 +233,8 @@ def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
     assert rate["seconds_per_step"] == pytest.approx(0.11)  # median of 0.10 and 0.12; evaluations left out
     assert rate["compile_s"] is None  # logs from before compile_s was logged
     assert ablations.step_rate(tmp_path / "missing") == {"first_log": None, "seconds_per_step": None, "compile_s": None,
-                                                          "startup_s": None, "first_step_s": None}
+                                                          "startup_s": None, "first_step_s": None,
+                                                          "startup_phases": {}}
 
 
 def test_every_ablation_variant_is_flags_the_training_script_takes(tmp_path):
@@ -316,6 +317,7 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
         assert run["first_log"]["elapsed_s"] > 0 and run["seconds_per_step"] > 0  # speed apart from compilation
         assert run["compile_s"] == 0.0  # CPU smoke runs compile nothing (their logs say so)
         assert run["startup_s"] > 0 and run["first_step_s"] > 0  # the wait for the first step, in two parts
+        assert set(run["startup_phases"]) == {"process", "target", "data", "draft", "trainer"}  # the first part, split
     assert json.loads((out / "ablations.json").read_text())["variants"].keys() == report["variants"].keys()
     assert (out / "ablations.png").stat().st_size > 1000
     assert report["compile_cache"] == "per_run" and not list(out.glob("compile_caches_*"))  # scratch caches removed

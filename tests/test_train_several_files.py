@@ -134,6 +134,10 @@ def test_train_takes_several_files_and_a_glob(parts, tiny_target, tmp_path, monk
         assert script_args.train_file == sources
         trainer = train_draft(script_args, training_args)
         assert len(trainer.train_dataset) == 12  # rows of both files (none is dropped at min_loss_tokens=1)
+        summary = next(h for h in trainer.state.log_history if "train_runtime" in h)
+        phases = [k for k in summary if k.startswith("startup_") and k != "startup_s"]  # the wait before train()
+        assert phases == [f"startup_{p}_s" for p in ("process", "target", "data", "draft", "trainer")], phases
+        assert sum(summary[k] for k in phases) <= summary["startup_s"] + 0.3  # (each rounded to 0.1 s)
         assert (tmp_path / output / "config.json").exists()
     with pytest.raises(FileNotFoundError, match="matches no files"):
         train_draft(*build_train_parser().parse_args_into_dataclasses(

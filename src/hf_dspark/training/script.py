@@ -8,13 +8,14 @@ built in parallel, and the Trainer places the draft.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .arguments import DraftTrainingArguments
-from .trainer import DraftTrainer, build_draft, data_seed, seed_run
+from .trainer import DraftTrainer, build_draft, data_seed, process_age_s, seed_run
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,28 @@ def load_target(script_args: DraftScriptArguments, training_args: DraftTrainingA
     dtype = script_args.target_dtype or ("bfloat16" if training_args.bf16 else "float32")
     return load(script_args.target_model, dtype=dtype)
 
+class StartupPhases:
+    """Seconds each phase before training took, in order; the run's summary logs them as `startup_<phase>_s`
+    (`process`: interpreter start, imports and argument parsing, up to `train_draft`)."""
+
+    def __init__(self):
+        age = process_age_s()
+        self.seconds: dict[str, float] = {"process": age} if age is not None else {}
+        self._last = time.monotonic()
+
+    def done(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
 def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingArguments) -> DraftTrainer:
     """Train a draft for the target on the conversations and save it to `training_args.output_dir`."""
     from accelerate import PartialState
 
     from ..data import build_target_cache, load_conversations, load_target_cache, tokenize_conversations
 
+    phases = StartupPhases()
     if script_args.eval_rows < 0:
         raise ValueError(f"eval_rows must be >= 0, got {script_args.eval_rows}")
     # Fail on a typo before loading anything.
@@ -109,6 +126,7 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     # As transformers' example scripts do: seed before anything random (the draft's initialization below).
     seed_run(training_args)
     target, tokenizer = load_target(script_args, training_args)
+    phases.done("target")
 
     def tokenized(files):
         return tokenize_conversations(
@@ -134,7 +152,9 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
             raise ValueError(f"eval_rows={script_args.eval_rows} leaves no training rows (the data has {len(dataset)})")
         split = dataset.train_test_split(test_size=script_args.eval_rows, seed=data_seed(training_args))
         dataset, eval_dataset = split["train"], split["test"]
+    phases.done("data")
     draft = build_draft(target, training_args)
+    phases.done("draft")
 
     if script_args.cache_dir:
         target.to(training_args.device)
@@ -163,6 +183,7 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
         del target  # features come from the cache; free the target's memory before training
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        phases.done("cache")
     else:
         online_target = target
     trainer = DraftTrainer(
@@ -172,6 +193,8 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
         eval_dataset=eval_dataset,
         target_model=online_target,
     )
+    phases.done("trainer")
+    trainer.startup_phases = phases.seconds
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if eval_dataset is not None:

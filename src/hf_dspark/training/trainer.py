@@ -205,6 +205,7 @@ class DraftTrainer(Trainer):
         self._compile_mark: dict = {}
         # Time to the first step, as a user waits for it: the process's start to train(), then to step 1's end.
         self.startup_s: float | None = None
+        self.startup_phases: dict[str, float] = {}  # what the caller did before this trainer (`train_draft` fills it)
         self.first_step_s: float | None = None
         self.add_callback(_FirstStepTimer(self))
 
@@ -496,6 +497,7 @@ class DraftTrainer(Trainer):
             logs["compile_s"] = round(compile_seconds_since(self._compile_mark), 1)  # new shapes compile mid-run
         if "train_runtime" in logs:  # the run's summary: how long the user waited for its first step
             waits = {"startup_s": self.startup_s, "first_step_s": self.first_step_s}
+            waits.update({f"startup_{phase}_s": s for phase, s in self.startup_phases.items()})
             logs.update({k: round(v, 1) for k, v in waits.items() if v is not None})
         if "train_runtime" in logs and self.deadline is not None and logs["train_runtime"] > 0:
             # Trainer divides max_steps (a cap under a time budget) by the runtime: report the steps actually run.
