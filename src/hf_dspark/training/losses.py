@@ -396,7 +396,8 @@ def _masked_rows_loss(
         kwargs[key] = pick(kwargs.get(key))
     for key in ("l1_weight", "soft_ce_weight"):
         kwargs[key] = only_real(pick(kwargs.get(key)))
-    loss, stats = fused_head_loss(pick(hidden), lm_weight, only_real(pick(labels)), only_real(pick(ce_weight)), **kwargs)
+    labels, ce_weight = only_real(pick(labels)), only_real(pick(ce_weight))
+    loss, stats = fused_head_loss(pick(hidden), lm_weight, labels, ce_weight, **kwargs)
 
     def spread(t):  # [kept] -> [rows], zeros elsewhere
         return None if t is None else t.new_zeros(rows).index_copy_(0, keep, only_real(t))
