@@ -15,6 +15,7 @@ from transformers import AutoModel, TrainerCallback, set_seed
 from hf_dspark import DSparkModel
 from hf_dspark.data import TargetCacheError, build_target_cache, load_target_cache
 from hf_dspark.training import DraftDataCollator, DraftTrainer, DraftTrainingArguments, build_draft
+from hf_dspark.models import DRAFTERS
 from hf_dspark.models.anchors import sample_anchors
 
 
@@ -780,10 +781,11 @@ def test_evaluation_walks_the_held_out_text_as_decoding_would(tmp_path, algorith
 
 
 def _drafter_kw(algorithm: str) -> dict:
-    return {"algorithm": algorithm, "num_anchors": None if algorithm == "eagle3" else 8}
+    anchored = hasattr(DRAFTERS[algorithm].config_class, "num_anchors")
+    return {"algorithm": algorithm, "num_anchors": 8 if anchored else None}
 
 
-@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("algorithm", list(DRAFTERS))
 @pytest.mark.parametrize("case", ["default", "nan-inf-filter", "rows counted on the device"])
 def test_a_training_step_never_makes_the_host_wait(tmp_path, algorithm, case):
     """A host synchronization leaves the GPU idle while the host prepares what comes next. The loss's row
@@ -814,7 +816,7 @@ def test_a_training_step_never_makes_the_host_wait(tmp_path, algorithm, case):
     assert all(name in ("nonzero", "__bool__") for _, name in syncs.calls), dict(syncs.calls)
 
 
-@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("algorithm", list(DRAFTERS))
 def test_the_host_counted_loss_rows_bound_every_step(tmp_path, monkeypatch, algorithm):
     """The collator's count (`loss_rows_bound_fn`) is never below the rows the step's loss has: exact for Eagle3,
     above it for block drafters only by slots past an answer's end, in training and evaluation batches."""
@@ -838,7 +840,7 @@ def test_the_host_counted_loss_rows_bound_every_step(tmp_path, monkeypatch, algo
     assert len(seen) >= 5 and all(bound is not None for _, bound, _ in seen)
     block = args.block_size
     for count, bound, rows in seen:
-        if algorithm == "eagle3":
+        if not _drafter_kw(algorithm)["num_anchors"]:  # Eagle3: exact
             assert bound == count
         else:  # each sequence (rows / (8 anchors x K slots)) loses at most 1 + 2 + ... + (K - 1) slots at its end
             sequences = rows // (8 * block)
