@@ -63,7 +63,7 @@ class BuildCacheArguments:
     batch_size: int = field(8, help="rows per target forward")
     shard_size: int = field(1000, help="rows per shard")
     num_proc: int | None = field(
-        None, help="processes for tokenization (default: one per 2,048 conversations, at most 8 and one per CPU core)"
+        None, help="processes for tokenization (default: one per 2,048 conversations, at most 16 and one per CPU core)"
     )
     verify: str = field("fast", help="check of finished shards on resume", choices=("fast", "full"))
 
