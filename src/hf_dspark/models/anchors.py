@@ -43,7 +43,7 @@ def sample_anchors(
     cand = anchor_candidates(loss_mask)
     seq = cand.shape[1]
     if fixed_count:
-        n = max(1, min(num_anchors, seq - 1))
+        n = fixed_anchor_count(num_anchors, seq)
     else:
         n = max(1, min(num_anchors, int(cand.sum(dim=1).max().item()) if seq else 0))
     device = cand.device if generator is None else generator.device
@@ -55,13 +55,18 @@ def sample_anchors(
     return positions, valid.gather(1, order)
 
 
+def fixed_anchor_count(num_anchors: int, seq_len: int) -> int:
+    """Blocks per row when the count is fixed by the padded length (`sample_anchors(..., fixed_count=True)`)."""
+    return max(1, min(num_anchors, seq_len - 1))
+
+
 def anchor_slots_bound(loss_mask: torch.Tensor, num_anchors: int, block_size: int) -> int:
     """At most how many block slots of a batch are supervised (its loss rows): every anchor
     `sample_anchors(..., fixed_count=True)` can find, times the block size (slots past an answer's end are not
     supervised, so the bound is above the count by a few slots an answer). From a collated batch on the host, it
     sizes the loss's row buffer without a read-back from the device. `loss_mask` already times the attention mask."""
     per_row = anchor_candidates(loss_mask).sum(dim=1)
-    n = max(1, min(num_anchors, loss_mask.shape[1] - 1))
+    n = fixed_anchor_count(num_anchors, loss_mask.shape[1])
     return block_size * int(per_row.clamp(max=n).sum())
 
 
