@@ -23,6 +23,7 @@ compiled flex_attention kernels see one shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import resource
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import add_draft_shape_args, bench_training_args  # noqa: E402
 
 from hf_dspark.data import build_target_cache, load_conversations, load_target_cache, tokenize_conversations
-from hf_dspark.training import DraftDataCollator, DraftTrainer, build_draft
+from hf_dspark.training import DraftTrainer, build_draft
 
 
 def parse_args(argv=None):
@@ -254,14 +255,12 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
 
     trainer_ref = []
     meter = Throughput(trainer_ref, args.warmup_steps_excluded, args.time_budget, cuda)
-    collator = None
-    if loss_rows == "device":  # the loss counts its rows on the device: one wait a step (the trainer's way before)
-        pad = draft.config.pad_token_id if draft.config.pad_token_id is not None else 0
-        collator = DraftDataCollator(pad, training_args.pad_to_multiple_of, loss_rows_bound=False)
     trainer = DraftTrainer(
         model=draft, args=training_args, train_dataset=train_data, eval_dataset=eval_data,
-        target_model=online_target, callbacks=[meter], data_collator=collator,
+        target_model=online_target, callbacks=[meter],
     )  # fmt: skip
+    if loss_rows == "device":  # the loss counts its rows on the device: one wait a step (the trainer's way before)
+        trainer.data_collator = dataclasses.replace(trainer.data_collator, loss_rows_bound=False)
     trainer_ref.append(trainer)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
