@@ -78,6 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--loss_rows", nargs="+", choices=["host", "device"], default=["host"],
                    help="who counts the loss's rows: the collator on the host (the trainer's default, no wait a "
                    "step), the device (one wait a step), or both in turn")  # fmt: skip
+    p.add_argument("--batch_copy", nargs="+", choices=["async", "wait"], default=["async"],
+                   help="how each batch is copied to the GPU: asynchronously from pinned memory (the trainer's "
+                   "default), or waiting for the copy and so for all the work queued before it (one wait a step), "
+                   "or both in turn")  # fmt: skip
     p.add_argument("--dataloader_num_workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -149,12 +153,15 @@ def main(argv=None):
     cache_probe = probe_cache_sizes(args, target, tokenizer, eval_rows) if args.probe_cache_rows else {}
 
     results, max_steps = [], args.max_steps
-    variants = [(a, c, r) for a in args.algorithms for c in args.compile_draft_layers for r in args.loss_rows]
-    for index, (algorithm, compiled_layers, loss_rows) in enumerate(variants):
+    variants = [(a, c, r, b) for a in args.algorithms for c in args.compile_draft_layers for r in args.loss_rows
+                for b in args.batch_copy]
+    for index, (algorithm, compiled_layers, loss_rows, batch_copy) in enumerate(variants):
         name = algorithm + ("-compiled-layers" if compiled_layers == "on" else "") + f"-{loss_rows}-rows"
+        name += "-copy-wait" if batch_copy == "wait" else ""
         output_dir = str(Path(args.output_dir) / name) if len(variants) > 1 else args.output_dir
         result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
-                           compile_draft_layers=compiled_layers == "on", loss_rows=loss_rows)  # fmt: skip
+                           compile_draft_layers=compiled_layers == "on", loss_rows=loss_rows,
+                           batch_copy=batch_copy)  # fmt: skip
         result["setup_s"] = setup_s
         results.append(result)
         if index == 0 and args.same_steps:
@@ -207,11 +214,12 @@ def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
 
 
 def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
-              compile_draft_layers=False, loss_rows="host") -> dict:  # fmt: skip
+              compile_draft_layers=False, loss_rows="host", batch_copy="async") -> dict:  # fmt: skip
     """Train one drafter (online or from a cache) and measure it."""
     training_args = bench_training_args(
         args, algorithm, output_dir, cuda,
         compile_draft_layers=compile_draft_layers,
+        accelerator_config={"non_blocking": batch_copy == "async"},
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
@@ -307,6 +315,7 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         "compile_loss": args.compile_loss,
         "compile_draft_layers": compile_draft_layers,
         "loss_rows_counted_on": loss_rows,
+        "batch_copy": "async" if training_args.accelerator_config.non_blocking else "wait",  # as the trainer ran
         "draft_dir": output_dir,
         **cache_info,
     }
@@ -321,6 +330,7 @@ def print_table(results: list[dict]) -> None:
         h = r["heldout"]
         compiled = ", compiled layers" if r.get("compile_draft_layers") else ""
         compiled += ", rows counted on the device" if r.get("loss_rows_counted_on") == "device" else ""
+        compiled += ", waiting for each batch's copy" if r.get("batch_copy") == "wait" else ""
         print(f"| {r['algorithm']} ({r['draft']['layers']} layers{compiled}) | {r['steps']} "
               f"| {fmt(r['measured_s'], '.1f')} "
               f"| {fmt(r['supervised_block_tokens_per_s'], ',.0f')} | {r['peak_memory_gib']:.2f} "

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from conftest import REPO, load_script
 
 from hf_dspark.generation.speculative import PHASES
 
@@ -128,6 +128,20 @@ def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
     report = module.main(["--device", "cpu", "--smoke", "--trace_steps", "0", "--output", str(out), *extra])
     assert set(report["phase_ms"]) == set(module.PHASES) and all(v > 0 for v in report["phase_ms"].values())
     assert report["trainer_step_ms"] > 0 and json.loads(out.read_text())["hardware"]["torch"]
+
+
+def test_train_throughput_smoke_runs_each_batch_copy_as_asked(tmp_path):
+    """benchmarks/train_throughput.py --batch_copy async wait: two runs, each reporting how the trainer it ran
+    copied batches (read from its arguments, not from the flag)."""
+    from conftest import require_default_target
+
+    require_default_target()
+    module = load_script("benchmarks/train_throughput.py")
+    report = module.main(["--smoke", "--device", "cpu", "--data", str(REPO / "examples/data/demo_answers.jsonl.gz"),
+                          "--batch_copy", "async", "wait", "--output_dir", str(tmp_path / "drafts"),
+                          "--output", str(tmp_path / "throughput.json")])  # fmt: skip
+    assert [run["batch_copy"] for run in report["runs"]] == ["async", "wait"]
+    assert all(run["steps"] == 3 for run in report["runs"])
 
 
 def test_regenerate_speed_smoke_times_every_mode(tmp_path):

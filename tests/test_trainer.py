@@ -816,6 +816,32 @@ def test_a_training_step_never_makes_the_host_wait(tmp_path, algorithm, case):
     assert all(name in ("nonzero", "__bool__") for _, name in syncs.calls), dict(syncs.calls)
 
 
+@pytest.mark.parametrize("given", [None, {"non_blocking": False}, '{"split_batches": false}'])
+def test_training_batches_reach_the_device_without_a_host_wait(tmp_path, monkeypatch, given):
+    """A blocking copy of the batch to the GPU waits for all the work queued there: a synchronization each step
+    that HostSyncs cannot see on CPU (a copy to the CPU is no copy). The trainer's batches go through accelerate's
+    `send_to_device` with non_blocking=True unless the caller's accelerator_config says otherwise."""
+    import accelerate.data_loader
+
+    calls = []
+    send = accelerate.data_loader.send_to_device
+
+    def recording(tensor, device, non_blocking=False, **kwargs):
+        calls.append(non_blocking)
+        return send(tensor, device, non_blocking=non_blocking, **kwargs)
+
+    monkeypatch.setattr(accelerate.data_loader, "send_to_device", recording)
+    target = make_tiny_target("llama")
+    kw = {} if given is None else {"accelerator_config": given}
+    args = make_args(tmp_path, max_steps=2, **kw)
+    expected = given != {"non_blocking": False}
+    assert args.accelerator_config.non_blocking is expected
+    trainer = DraftTrainer(model=fresh_draft(target, tmp_path), args=args, train_dataset=tokenized_rows(16),
+                           target_model=target)  # fmt: skip
+    trainer.train()
+    assert len(calls) >= 2 and set(calls) == {expected}
+
+
 @pytest.mark.parametrize("algorithm", list(DRAFTERS))
 def test_the_host_counted_loss_rows_bound_every_step(tmp_path, monkeypatch, algorithm):
     """The collator's count (`loss_rows_bound_fn`) is never below the rows the step's loss has: exact for Eagle3,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -158,6 +159,7 @@ class DraftTrainingArguments(TrainingArguments):
         if self.compile_draft_layers is None:
             blocker = draft_layer_compile_blocker(self.gradient_checkpointing, bool(self.deepspeed), bool(self.fsdp))
             self.compile_draft_layers = on_cuda and blocker is None
+        self.accelerator_config = _non_blocking_batches(self.accelerator_config)
         if self.ddp_find_unused_parameters is None:
             # The objectives give every trainable parameter a gradient: skip DDP's extra graph traversal.
             self.ddp_find_unused_parameters = False
@@ -168,6 +170,20 @@ class DraftTrainingArguments(TrainingArguments):
             raise ValueError(f"max_train_minutes must be > 0, got {self.max_train_minutes}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+
+
+def _non_blocking_batches(config):
+    """`accelerator_config` with `non_blocking` on unless the caller set it. A blocking copy of the batch to the GPU
+    waits for everything queued there: a synchronization every step, which leaves the GPU idle while the host
+    launches the next step (the batch comes from pinned memory, `dataloader_pin_memory`, so an asynchronous copy is
+    safe). A JSON file or an `AcceleratorConfig` is taken as given."""
+    if config is None:
+        return {"non_blocking": True}
+    if isinstance(config, str) and config.lstrip().startswith("{"):
+        config = json.loads(config)
+    if isinstance(config, dict):
+        return {"non_blocking": True, **config}
+    return config
 
 
 def _check_launch(args) -> None:

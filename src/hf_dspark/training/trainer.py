@@ -15,7 +15,8 @@ Anchors are sampled here, not inside the draft, from a generator on the training
 seed, global step, micro-step, process index): a run resumed from a checkpoint, and online vs cached training on
 the same data, see the same anchors. The number of blocks per row is min(num_anchors, T - 1), a function of the
 padded length only, so compiled attention kernels see few distinct shapes; the collator counts on the host how
-many loss rows a batch has at most (`loss_rows_bound_fn`), so a step has no host synchronization.
+many loss rows a batch has at most (`loss_rows_bound_fn`) and batches reach the GPU by asynchronous copies
+(`DraftTrainingArguments` turns accelerate's `non_blocking` on), so a step has no host synchronization.
 """
 
 from __future__ import annotations
