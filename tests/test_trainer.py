@@ -833,9 +833,12 @@ def test_training_batches_reach_the_device_without_a_host_wait(tmp_path, monkeyp
     monkeypatch.setattr(accelerate.data_loader, "send_to_device", recording)
     target = make_tiny_target("llama")
     kw = {} if given is None else {"accelerator_config": given}
-    args = make_args(tmp_path, max_steps=2, **kw)
+    # use_cpu=False: batches pinned as on a GPU (here the device is still the CPU); use_cpu turns pinning off, and
+    # with it the asynchronous copy (a copy from unpinned memory waits anyway, and transformers warns).
+    assert make_args(tmp_path, **kw).accelerator_config.non_blocking is False
+    args = make_args(tmp_path, max_steps=2, use_cpu=False, **kw)
     expected = given != {"non_blocking": False}
-    assert args.accelerator_config.non_blocking is expected
+    assert args.dataloader_pin_memory and args.accelerator_config.non_blocking is expected
     trainer = DraftTrainer(model=fresh_draft(target, tmp_path), args=args, train_dataset=tokenized_rows(16),
                            target_model=target)  # fmt: skip
     trainer.train()

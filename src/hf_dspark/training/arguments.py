@@ -159,11 +159,13 @@ class DraftTrainingArguments(TrainingArguments):
         if self.compile_draft_layers is None:
             blocker = draft_layer_compile_blocker(self.gradient_checkpointing, bool(self.deepspeed), bool(self.fsdp))
             self.compile_draft_layers = on_cuda and blocker is None
-        self.accelerator_config = _non_blocking_batches(self.accelerator_config)
+        copy_async = _non_blocking_unset(self.accelerator_config)
         if self.ddp_find_unused_parameters is None:
             # The objectives give every trainable parameter a gradient: skip DDP's extra graph traversal.
             self.ddp_find_unused_parameters = False
         super().__post_init__()
+        if copy_async and self.dataloader_pin_memory:  # transformers turns pinning off for use_cpu
+            self.accelerator_config.non_blocking = True
         if self.pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
         if self.max_train_minutes is not None and self.max_train_minutes <= 0:
@@ -172,18 +174,14 @@ class DraftTrainingArguments(TrainingArguments):
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
 
 
-def _non_blocking_batches(config):
-    """`accelerator_config` with `non_blocking` on unless the caller set it. A blocking copy of the batch to the GPU
-    waits for everything queued there: a synchronization every step, which leaves the GPU idle while the host
-    launches the next step (the batch comes from pinned memory, `dataloader_pin_memory`, so an asynchronous copy is
-    safe). A JSON file or an `AcceleratorConfig` is taken as given."""
-    if config is None:
-        return {"non_blocking": True}
+def _non_blocking_unset(config) -> bool:
+    """Whether the caller's `accelerator_config` leaves `non_blocking` unset (None, or a dict or JSON text without
+    it); then batches are copied to the GPU asynchronously from pinned memory. A blocking copy waits for everything
+    queued on the GPU: a synchronization every step, which leaves the GPU idle while the host launches the next
+    step. A JSON file or an `AcceleratorConfig` is taken as given."""
     if isinstance(config, str) and config.lstrip().startswith("{"):
         config = json.loads(config)
-    if isinstance(config, dict):
-        return {"non_blocking": True, **config}
-    return config
+    return config is None or (isinstance(config, dict) and "non_blocking" not in config)
 
 
 def _check_launch(args) -> None:
