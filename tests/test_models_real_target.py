@@ -36,6 +36,8 @@ def test_draft_for_smollm2_runs_on_a_real_chat_prompt(cls, smollm2):
     cache = draft.new_context_cache(1)
     draft.extend_context(cache, feats[:, :-1], next_token_ids=ids[:, 1:])
     proposal = draft.propose(cache, ids[:, -1], sampler=TokenSampler(do_sample=False))
-    assert proposal.tokens.shape == (1, 7) and proposal.probs.shape == (1, 7, 49152)
+    # Greedy: the tokens are the argmax of the logits, and no distribution is built (verification reads tokens).
+    assert proposal.tokens.shape == (1, 7) and proposal.logits.shape == (1, 7, 49152) and proposal.probs is None
+    assert torch.equal(proposal.tokens, proposal.logits.argmax(-1))
     if cls is DSparkModel:
         assert proposal.confidences.shape == (1, 7)

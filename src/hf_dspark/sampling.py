@@ -88,14 +88,30 @@ class TokenSampler:
             return probs.argmax(dim=-1)
         return sample_from(probs, self.generator)
 
-    def __call__(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None):
+    def draw(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None):
+        """One token per row from raw logits [R, V] -> (probs [R, V] it was drawn from, or None when greedy; token).
+
+        Greedy draws take the argmax of the (processed) logits: no softmax, since greedy verification compares
+        tokens only. argmax(softmax(x)) = argmax(x); a bf16 tensor is argmax-ed as is (its float cast is exact)."""
+        if not self.do_sample:
+            scores = logits if len(self.logits_processor) == 0 else self.process(logits, input_ids)
+            return None, scores.argmax(dim=-1)
         probs = self.distribution(logits, input_ids)
-        return probs, self.select(probs)
+        return probs, sample_from(probs, self.generator)
+
+    __call__ = draw
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One multinomial draw per row of probs [R, V]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One draw per row of probs [R, V]: the same draws as `torch.multinomial(probs, 1, generator=generator)`.
+
+    This is torch's own algorithm for one sample (argmax of p / E with E ~ Exp(1), the exponential race), without
+    the input checks multinomial runs first (min, max, row sums and two device asserts: ~10 kernels a call on CUDA,
+    once per draft slot in a speculative round). The inputs here are distributions this package built (softmax
+    outputs, normalized rejection residuals), which those checks cannot fail.
+    """
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).argmax(dim=-1)
 
 
 __all__ = ["TokenSampler", "sample_from", "apply_logits_processors", "apply_position_free"]

@@ -54,7 +54,9 @@ class StaticDraftRunner:
         self.compiled = bool(compile)
         self._propose_fn, self._extend_fn = self._run_propose, self._run_extend
         if compile:
-            self._propose_fn = torch.compile(self._run_propose, dynamic=False)
+            # fallback_random: the draws stay eager ATen random calls on the sampler's generator, so a compiled
+            # proposal samples exactly what the uncompiled one does (inductor would make its own random numbers).
+            self._propose_fn = torch.compile(self._run_propose, dynamic=False, options={"fallback_random": True})
             self._extend_fn = torch.compile(self._run_extend, dynamic=False)
 
     def reset(self) -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sampling import sample_from
+
 
 @dataclass
 class VerifyResult:
@@ -79,7 +81,7 @@ def verify_block(
         mass = residual.sum(dim=-1, keepdim=True)
         # p == q up to rounding makes a rejection (almost) impossible; fall back to p rather than divide by ~0.
         p_next = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-30), p_next)
-    next_tokens = torch.multinomial(p_next, 1, generator=generator).squeeze(-1)
+    next_tokens = sample_from(p_next, generator)
     return VerifyResult(num_accepted, next_tokens)
 
 

@@ -868,7 +868,7 @@ class _Decoder:
             result = verify_block(
                 scores,
                 window[:, 1:],
-                None if proposal is None else proposal.probs[:, : width - 1],
+                None if proposal is None or proposal.probs is None else proposal.probs[:, : width - 1],
                 verify_len,
                 self.do_sample,
             )

@@ -66,9 +66,10 @@ def _service(name: str) -> Callable:
 class DraftProposal(ModelOutput):
     """One proposed block per request.
 
-    tokens [R, n]; probs [R, n, V]: the exact (processed) distributions the tokens were drawn from;
-    logits [R, n, V]: the raw draft logits; confidences / confidence_logits [R, n] (DSpark with a confidence
-    head; calibrated by the config's STS temperatures when present).
+    tokens [R, n]; probs [R, n, V]: the exact (processed) distributions the tokens were drawn from (None for a
+    greedy proposal: greedy verification compares tokens only); logits [R, n, V]: the raw draft logits (float32);
+    confidences / confidence_logits [R, n] (DSpark with a confidence head; calibrated by the config's STS
+    temperatures when present).
     """
 
     tokens: torch.LongTensor | None = None
@@ -76,6 +77,11 @@ class DraftProposal(ModelOutput):
     logits: torch.FloatTensor | None = None
     confidences: torch.FloatTensor | None = None
     confidence_logits: torch.FloatTensor | None = None
+
+
+def stack_or_none(slots: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Per-slot distributions [R, V] -> [R, n, V]; None when the draws were greedy (`TokenSampler.draw`)."""
+    return None if slots[0] is None else torch.stack(slots, dim=1)
 
 
 class DraftPreTrainedModel(PreTrainedModel):
@@ -419,13 +425,14 @@ class DraftPreTrainedModel(PreTrainedModel):
         raise NotImplementedError
 
     def _draw(self, sampler, logits, input_ids, step_tokens, draft_tokens, k):
-        """Shared per-slot draw: processed distribution and the token (sampled, or the forced one)."""
+        """Shared per-slot draw: (processed distribution, token). A free greedy draw returns no distribution
+        (`TokenSampler.draw`); forced tokens (`draft_tokens`, scoring) always get theirs."""
         prefix = None
         if input_ids is not None:
             prefix = torch.cat([input_ids] + ([torch.stack(step_tokens, dim=1)] if step_tokens else []), dim=1)
-        probs = sampler.distribution(logits, prefix)
-        token = draft_tokens[:, k] if draft_tokens is not None else sampler.select(probs)
-        return probs, token
+        if draft_tokens is None:
+            return sampler.draw(logits, prefix)
+        return sampler.distribution(logits, prefix), draft_tokens[:, k]
 
 
 __all__ = ["DraftPreTrainedModel", "DraftProposal"]

@@ -24,7 +24,7 @@ from ..anchors import anchor_slots_bound, block_positions, dense_block_mask, fle
 from ..backbone import DraftDecoderLayer
 from ..context_cache import DraftContextCache
 from ..heads import MARKOV_HEADS, ConfidenceHead
-from ..modeling_draft import DraftPreTrainedModel, DraftProposal
+from ..modeling_draft import DraftPreTrainedModel, DraftProposal, stack_or_none
 from ...target import TargetSpec
 from .configuration_dspark import DSparkConfig
 
@@ -225,11 +225,13 @@ class DSparkModel(DraftPreTrainedModel):
         rows, n, _ = hidden.shape
         base_logits = F.linear(hidden, self.lm_head.weight)  # [R, n, V], once for the whole block
         if not cfg.has_markov_head and input_ids is None:
-            logits = self.finish_logits(base_logits)
-            probs = sampler.distribution(logits.reshape(rows * n, -1)).view(rows, n, -1)
-            tokens = draft_tokens if draft_tokens is not None else sampler.select(probs.view(rows * n, -1)).view(rows, n)
+            logits = self.finish_logits(base_logits).float()
+            forced = None if draft_tokens is None else draft_tokens.reshape(rows * n, 1)
+            # Every slot at once, as the rows of one draw.
+            probs, tokens = self._draw(sampler, logits.reshape(rows * n, -1), None, [], forced, 0)
+            probs = None if probs is None else probs.view(rows, n, -1)
             confidence_logits = self.confidence_head(hidden).float() if cfg.enable_confidence_head else None
-            return self._proposal(tokens, probs, logits.float(), confidence_logits)
+            return self._proposal(tokens.view(rows, n), probs, logits, confidence_logits)
         prev = anchor_ids
         state = self.markov_head.init_state(hidden[:, 0]) if cfg.has_markov_head else None
         tokens, probs, logits, prev_embeds = [], [], [], []
@@ -240,11 +242,12 @@ class DSparkModel(DraftPreTrainedModel):
                 prev_embed = self.markov_head.embed(prev).to(h_k.dtype)
                 z, state = self.markov_head.step(h_k, prev_embed, state)
                 prev_embeds.append(prev_embed)
-            step_logits = self.finish_logits(base_logits[:, k], z)
+            # Cast once: the sampler's own float cast is then a no-op, and the stored logits are the same tensor.
+            step_logits = self.finish_logits(base_logits[:, k], z).float()
             p_k, x_k = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, k)
             tokens.append(x_k)
             probs.append(p_k)
-            logits.append(step_logits.float())
+            logits.append(step_logits)
             prev = x_k
         confidence_logits = None
         if cfg.enable_confidence_head:  # after the loop, all slots at once: no slot's draw depends on it
@@ -252,7 +255,7 @@ class DSparkModel(DraftPreTrainedModel):
             prev_all = torch.stack(prev_embeds, dim=1) if with_markov else None
             confidence_logits = self.confidence_head(hidden, prev_all).float()
         return self._proposal(
-            torch.stack(tokens, dim=1), torch.stack(probs, dim=1), torch.stack(logits, dim=1), confidence_logits
+            torch.stack(tokens, dim=1), stack_or_none(probs), torch.stack(logits, dim=1), confidence_logits
         )
 
     def _sts_temperatures(self, device: torch.device) -> torch.Tensor | None:

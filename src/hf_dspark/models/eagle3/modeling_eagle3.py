@@ -20,7 +20,7 @@ from transformers.utils import ModelOutput
 
 from ..backbone import DraftAttention, DraftMLP, DraftRMSNorm, attend
 from ..context_cache import DraftContextCache
-from ..modeling_draft import DraftPreTrainedModel, DraftProposal
+from ..modeling_draft import DraftPreTrainedModel, DraftProposal, stack_or_none
 from .configuration_eagle3 import Eagle3Config
 
 
@@ -205,13 +205,13 @@ class Eagle3Model(DraftPreTrainedModel):
                     _impl(self),
                 )
                 hidden = self.layer.finish(residual, attn.o_proj(out))[:, 0]
-            step_logits = self.draft_logits(self.norm(hidden))
+            step_logits = self.draft_logits(self.norm(hidden)).float()  # cast once (see DSpark's block draw)
             p_j, x_j = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, j)
             tokens.append(x_j)
             probs.append(p_j)
-            logits.append(step_logits.float())
+            logits.append(step_logits)
         return DraftProposal(
-            tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1), logits=torch.stack(logits, dim=1)
+            tokens=torch.stack(tokens, dim=1), probs=stack_or_none(probs), logits=torch.stack(logits, dim=1)
         )
 
 

@@ -1,0 +1,86 @@
+"""A draft's block draw spends no kernels on what its verification never reads.
+
+On a GPU a speculative round is bound by how many kernels it launches, not by their arithmetic, and DSpark's
+Markov head draws its block slot by slot. So: a greedy draw builds no softmax (greedy verification compares
+tokens only), a sampled draw skips `torch.multinomial`'s input checks (about ten kernels a call on CUDA) while
+drawing exactly what multinomial draws, and each slot's vocabulary-wide logits are cast to float32 once.
+"""
+
+import collections
+
+import pytest
+import torch
+from conftest import make_tiny_target
+from generation_utils import make_draft
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_dspark import TokenSampler, target_features
+from hf_dspark.sampling import sample_from
+
+ROWS, BLOCK = 16, 5
+
+
+def test_sample_from_draws_what_torch_multinomial_draws():
+    torch.manual_seed(0)
+    for seed in range(40):
+        logits = torch.randn(ROWS, 37) * 3
+        logits[:, seed % 37] = float("-inf")  # zero-probability tokens are never drawn
+        probs = torch.softmax(logits, dim=-1)
+        ours = sample_from(probs, torch.Generator().manual_seed(seed))
+        torch_draws = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed)).squeeze(-1)
+        assert torch.equal(ours, torch_draws)
+        assert (probs.gather(1, ours[:, None]) > 0).all()
+
+
+class _Operators(TorchDispatchMode):
+    """Counts aten operators by name, and the float casts of vocabulary-wide tensors."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.names: collections.Counter = collections.Counter()
+        self.vocab_casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        self.names[name] += 1
+        source = args[0] if args else None
+        if name == "_to_copy" and isinstance(source, torch.Tensor) and source.shape[-1] == self.vocab:
+            self.vocab_casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_tiny_target("llama", vocab_size=96)
+
+
+def _propose(target, drafter, sampler):
+    draft = make_draft(drafter, target, block_size=BLOCK).to(torch.bfloat16)
+    ids = torch.randint(3, 96, (ROWS, 12), generator=torch.Generator().manual_seed(0))
+    feats, _ = target_features(target, ids, draft.config.target_layer_ids)
+    cache = draft.new_context_cache(ROWS)
+    draft.extend_context(cache, feats[:, :-1].to(torch.bfloat16), next_token_ids=ids[:, 1:])
+    ops = _Operators(vocab=96)
+    with ops:
+        proposal = draft.propose(cache, ids[:, -1], sampler=sampler)
+    return proposal, ops
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
+def test_a_greedy_draw_builds_no_distribution(target, drafter):
+    proposal, ops = _propose(target, drafter, TokenSampler(do_sample=False))
+    assert proposal.probs is None and ops.names["_softmax"] == 0
+    # Each slot's token is the argmax of its logits (DSpark's logits: given the slot before it).
+    assert torch.equal(proposal.tokens, proposal.logits.argmax(-1))
+    assert ops.vocab_casts <= BLOCK  # one float cast per slot (Eagle3, DSpark) or one for the block (DFlash)
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
+def test_a_sampled_draw_skips_multinomials_checks_and_casts_once(target, drafter):
+    proposal, ops = _propose(target, drafter, TokenSampler(generator=torch.Generator().manual_seed(0)))
+    assert ops.names["multinomial"] == 0 and ops.names["exponential_"] == (1 if drafter == "dflash" else BLOCK)
+    assert ops.vocab_casts <= BLOCK
+    # The distribution each token was drawn from is the softmax of its logits (temperature 1, no warpers).
+    torch.testing.assert_close(proposal.probs, torch.softmax(proposal.logits, -1))
+    assert (proposal.probs.gather(-1, proposal.tokens[..., None]) > 0).all()
