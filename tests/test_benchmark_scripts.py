@@ -145,6 +145,19 @@ def test_train_throughput_smoke_runs_each_batch_copy_as_asked(tmp_path):
     assert all(run["steps"] == 3 for run in report["runs"])
 
 
+def test_draft_draw_ops_counts_every_drafter_and_temperature(tmp_path):
+    """benchmarks/draft_draw_ops.py on CPU: a row per drafter and temperature, no multinomial anywhere and no softmax
+    in a greedy draw (the draws this commit made lean), DSpark's slot-by-slot draw dearer than DFlash's batched one."""
+    module = load_script("benchmarks/draft_draw_ops.py")
+    out = tmp_path / "ops.json"
+    assert module.main(["--device", "cpu", "--vocab", "512", "--context", "16", "--json", str(out)]) == 0
+    rows = {(r["drafter"], r["temperature"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(d, t) for d in ("dspark", "dflash", "eagle3") for t in (0.0, 1.0)}
+    assert all(r["multinomial_calls"] == 0 for r in rows.values())
+    assert all(rows[d, 0.0]["softmax_calls"] == 0 for d in ("dspark", "dflash", "eagle3"))
+    assert rows["dspark", 0.0]["operators"] > rows["dflash", 0.0]["operators"]
+
+
 def test_regenerate_speed_smoke_times_every_mode(tmp_path):
     """benchmarks/regenerate_speed.py --smoke: every mode answers every prompt, and greedy in float32 they cut the
     same answers at the limit, so the timing compares like with like."""

@@ -1,0 +1,142 @@
+"""What one draft proposal (a round's block draw) issues: aten operators per drafter and temperature, and on CUDA
+the time of a proposal replayed as the decoding loop replays it (`StaticDraftRunner`, one CUDA graph).
+
+A speculative round at batch 16 is bound by kernel launches, not arithmetic, so the operator count of the draw is
+what separates the drafters' round costs: DSpark draws its block slot by slot through its Markov head, DFlash in
+one batched call, Eagle3 one forward per slot. On CPU the script counts (no timing); on CUDA it also times.
+
+    python benchmarks/draft_draw_ops.py --device cpu --json OUT.json              # tiny random target, vocab 49152
+    python benchmarks/draft_draw_ops.py --target TARGET --device cuda --json OUT.json
+
+Counts are dispatched aten operators without views and allocations (what launches work); `torch.multinomial`
+counts once here but runs about 13 kernels on CUDA (its input checks, then the exponential race), listed apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench_common import hardware  # noqa: E402
+
+from hf_dspark import DFlashModel, DSparkModel, Eagle3Model, TokenSampler, target_features  # noqa: E402
+from hf_dspark.generation.draft_graphs import StaticDraftRunner  # noqa: E402
+
+DRAFTERS = {"dspark": DSparkModel, "dflash": DFlashModel, "eagle3": Eagle3Model}
+NO_WORK = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute",
+           "reshape", "alias", "as_strided", "detach", "empty", "empty_like", "empty_strided", "new_empty", "split",
+           "chunk", "unbind", "lift_fresh", "_reshape_alias"}
+
+
+class OperatorCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in NO_WORK:
+            self.names[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="target folder (default: a tiny random Llama with --vocab)")
+    p.add_argument("--vocab", type=int, default=49152, help="the tiny target's vocabulary (SmolLM2's by default)")
+    p.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--block_size", type=int, default=7)
+    p.add_argument("--num_hidden_layers", type=int, default=2, help="DSpark's and DFlash's layers (Eagle3: 1)")
+    p.add_argument("--context", type=int, default=128, help="context positions in the draft's cache")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--replays", type=int, default=200, help="timed replays per configuration (CUDA)")
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def load_target(args, device, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if args.target:
+        return AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    config = AutoConfig.for_model(
+        "llama", vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
+
+
+def measure(args, target, name: str, temperature: float, device, dtype) -> dict:
+    torch.manual_seed(0)
+    layers = 1 if name == "eagle3" else args.num_hidden_layers  # Eagle3 drafts have one decoder layer
+    draft = DRAFTERS[name].from_target(target, num_hidden_layers=layers, block_size=args.block_size)
+    draft = draft.to(device=device, dtype=dtype).eval()
+    vocab = target.config.vocab_size
+    ids = torch.randint(3, vocab, (args.rows, args.context + 1), device=device)
+    with torch.no_grad():
+        feats, _ = target_features(target, ids, draft.config.target_layer_ids)
+    cache = draft.new_context_cache(args.rows, capacity=args.context + 8 * (args.block_size + 1))
+    draft.extend_context(cache, feats[:, :-1].to(dtype), next_token_ids=ids[:, 1:])
+    sampler = TokenSampler(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0)
+    runner = StaticDraftRunner(draft, cache, sampler, args.block_size, capture=device.type == "cuda")
+    runner.anchor_ids.copy_(ids[:, -1])
+    ops = OperatorCount()
+    with ops:
+        runner._run_propose()
+    work = sum(ops.names.values())
+    row = {"drafter": name, "temperature": temperature, "operators": work,
+           "multinomial_calls": ops.names["multinomial"], "softmax_calls": ops.names["_softmax"],
+           "float_casts": ops.names["_to_copy"], "top_operators": dict(ops.names.most_common(12))}
+    if device.type == "cuda":
+        graphs = runner.ready()
+        rows = torch.arange(args.rows, device=device)
+        for _ in range(10):
+            runner.propose(rows, ids[:, -1], args.block_size)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.replays):
+            runner.propose(rows, ids[:, -1], args.block_size)
+        torch.cuda.synchronize()
+        row.update(cuda_graph=graphs, ms_per_proposal=1000 * (time.perf_counter() - start) / args.replays)
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    target = load_target(args, device, dtype)
+    rows = [measure(args, target, name, t, device, dtype) for name in args.drafters for t in args.temperatures]
+    result = {
+        "benchmark": "draft_draw_ops",
+        "command": "draft_draw_ops.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "hardware": hardware(device),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "rows": rows,
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print("| drafter | T | aten operators | multinomial calls (~13 kernels each on CUDA) | softmax | float casts "
+          "| ms a proposal (CUDA graph) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ms = f"{r['ms_per_proposal']:.3f}" if "ms_per_proposal" in r else "-"
+        print(f"| {r['drafter']} | {r['temperature']:g} | {r['operators']} | {r['multinomial_calls']} "
+              f"| {r['softmax_calls']} | {r['float_casts']} | {ms} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
