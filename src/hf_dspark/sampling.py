@@ -97,7 +97,7 @@ class TokenSampler:
             scores = logits if len(self.logits_processor) == 0 else self.process(logits, input_ids)
             return None, scores.argmax(dim=-1)
         probs = self.distribution(logits, input_ids)
-        return probs, sample_from(probs, self.generator)
+        return probs, self.select(probs)
 
     __call__ = draw
 

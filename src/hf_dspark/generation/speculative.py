@@ -75,7 +75,7 @@ from transformers import DynamicCache
 from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
-from ..sampling import TokenSampler, apply_logits_processors, apply_position_free
+from ..sampling import TokenSampler, apply_logits_processors, apply_position_free, sample_from
 from ..target import TargetFeatureHooks
 from .draft_graphs import graphs_supported, static_draft_runner
 from .round_graph import fused_round_runner
@@ -788,7 +788,7 @@ class _Decoder:
 
     def _select(self, scores: torch.Tensor) -> torch.Tensor:
         if self.do_sample:
-            return torch.multinomial(torch.softmax(scores, dim=-1), 1).squeeze(-1)
+            return sample_from(torch.softmax(scores, dim=-1))
         return scores.argmax(dim=-1)
 
     def _schedule(self, proposal, caps: torch.Tensor) -> torch.Tensor:
