@@ -51,6 +51,7 @@ VARIANTS = {
     "layers_1": ["--num_hidden_layers", "1"],
     "layers_3": ["--num_hidden_layers", "3"],
     "layers_4": ["--num_hidden_layers", "4"],
+    "mlp_2x": ["--intermediate_size", "3072"],  # SmolLM2's MLP is 1536 wide
     "qk_norm": ["--use_qk_norm", "true"],
     "lr_3e-4": ["--learning_rate", "3e-4"],
     "lr_1.2e-3": ["--learning_rate", "1.2e-3"],

@@ -527,6 +527,22 @@ def test_draft_config_flags_reach_the_draft_and_drafters_without_the_field_refus
     assert len(logged) == 3 and all(math.isfinite(h["loss"]) and h["loss_conf"] > 0 for h in logged)
 
 
+@pytest.mark.parametrize("algorithm", ["dspark", "dflash", "eagle3"])
+def test_intermediate_size_widens_the_draft_mlp_of_every_drafter(tmp_path, algorithm):
+    """--intermediate_size sets the draft layers' MLP width (unset: the target's); a width below 1 is refused."""
+    target = make_tiny_target("llama")
+    kw = dict(algorithm=algorithm, num_anchors=None) if algorithm == "eagle3" else dict(algorithm=algorithm)
+    plain = build_draft(target, make_args(tmp_path, **kw))
+    assert plain.config.intermediate_size == target.config.intermediate_size
+    wide = 2 * target.config.intermediate_size
+    draft = build_draft(target, make_args(tmp_path, intermediate_size=wide, **kw))
+    assert draft.config.intermediate_size == wide
+    mlps = [m for m in draft.modules() if type(m).__name__ == "DraftMLP"]
+    assert mlps and all(m.up_proj.out_features == wide and m.down_proj.in_features == wide for m in mlps)
+    with pytest.raises(ValueError, match="intermediate_size must be >= 1"):
+        build_draft(target, make_args(tmp_path, intermediate_size=0, **kw))
+
+
 def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
     """Where CUDA is visible the loss, the online target's layers and the draft's layers are compiled unless the
     user says otherwise; the draft's layers not by default where the trainer would ignore them (no warning then)."""

@@ -94,6 +94,8 @@ class DraftConfig(PreTrainedConfig):
         """Raise a ValueError that names the fix for any inconsistent field."""
         if self.num_hidden_layers < 1:
             raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        if self.intermediate_size < 1:
+            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "

@@ -46,6 +46,12 @@ class DraftTrainingArguments(TrainingArguments):
     num_hidden_layers: int | None = field(
         default=None, metadata={"help": "Draft decoder layers (default: the recipe's, 2 for DSpark/DFlash, 1 for Eagle3)."}
     )
+    intermediate_size: int | None = field(
+        default=None,
+        metadata={"help": "Width of the draft layers' MLP (default: the target's). Where a step is bound by kernel "
+                  "launches (small targets), a wider MLP adds capacity at little cost per step; more layers add "
+                  "launches."},
+    )  # fmt: skip
     block_size: int | None = field(
         default=None, metadata={"help": "Draft tokens per round: block size (DSpark/DFlash) or TTT length (Eagle3)."}
     )

@@ -74,8 +74,9 @@ def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrai
         if not hasattr(config_cls, name):
             raise ValueError(f"{name} does not apply to {args.algorithm} drafts ({DRAFT_FIELDS[name]})")
         overrides[name] = value
-    if getattr(args, "use_qk_norm", None) is not None:
-        overrides["use_qk_norm"] = args.use_qk_norm
+    for name in ("use_qk_norm", "intermediate_size"):  # fields every drafter has
+        if getattr(args, name, None) is not None:
+            overrides[name] = getattr(args, name)
     layers = getattr(args, "num_hidden_layers", None)
     if layers is None:
         layers = drafter_spec(args.algorithm).recipe_layers
