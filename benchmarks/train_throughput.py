@@ -78,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--loss_rows", nargs="+", choices=["host", "device"], default=["host"],
                    help="who counts the loss's rows: the collator on the host (the trainer's default, no wait a "
                    "step), the device (one wait a step), or both in turn")  # fmt: skip
+    p.add_argument("--intermediate_size", nargs="+", type=int, default=[None],
+                   help="draft MLP widths, one run each (default: the target's; e.g. 1536 3072 for SmolLM2)")
     p.add_argument("--batch_copy", nargs="+", choices=["async", "wait"], default=["async"],
                    help="how each batch is copied to the GPU: asynchronously from pinned memory (the trainer's "
                    "default), or waiting for the copy and so for all the work queued before it (one wait a step), "
@@ -153,15 +155,16 @@ def main(argv=None):
     cache_probe = probe_cache_sizes(args, target, tokenizer, eval_rows) if args.probe_cache_rows else {}
 
     results, max_steps = [], args.max_steps
-    variants = [(a, c, r, b) for a in args.algorithms for c in args.compile_draft_layers for r in args.loss_rows
-                for b in args.batch_copy]
-    for index, (algorithm, compiled_layers, loss_rows, batch_copy) in enumerate(variants):
+    variants = [(a, c, r, b, w) for a in args.algorithms for c in args.compile_draft_layers for r in args.loss_rows
+                for b in args.batch_copy for w in args.intermediate_size]
+    for index, (algorithm, compiled_layers, loss_rows, batch_copy, width) in enumerate(variants):
         name = algorithm + ("-compiled-layers" if compiled_layers == "on" else "") + f"-{loss_rows}-rows"
         name += "-copy-wait" if batch_copy == "wait" else ""
+        name += f"-mlp{width}" if width else ""
         output_dir = str(Path(args.output_dir) / name) if len(variants) > 1 else args.output_dir
         result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
                            compile_draft_layers=compiled_layers == "on", loss_rows=loss_rows,
-                           batch_copy=batch_copy)  # fmt: skip
+                           batch_copy=batch_copy, intermediate_size=width)  # fmt: skip
         result["setup_s"] = setup_s
         results.append(result)
         if index == 0 and args.same_steps:
@@ -214,12 +217,13 @@ def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
 
 
 def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
-              compile_draft_layers=False, loss_rows="host", batch_copy="async") -> dict:  # fmt: skip
+              compile_draft_layers=False, loss_rows="host", batch_copy="async", intermediate_size=None) -> dict:
     """Train one drafter (online or from a cache) and measure it."""
     training_args = bench_training_args(
         args, algorithm, output_dir, cuda,
         compile_draft_layers=compile_draft_layers,
         accelerator_config={"non_blocking": batch_copy == "async"},
+        intermediate_size=intermediate_size,
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
@@ -289,7 +293,8 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
     return {
         "algorithm": algorithm,
         "mode": args.mode,
-        "draft": {"layers": draft.config.num_hidden_layers, "block_size": args.block_size,
+        "draft": {"layers": draft.config.num_hidden_layers, "intermediate_size": draft.config.intermediate_size,
+                  "block_size": args.block_size,
                   "anchors": None if algorithm == "eagle3" else args.num_anchors,
                   "target_layer_ids": draft.config.target_layer_ids,
                   "trainable_params": sum(p.numel() for p in draft.parameters() if p.requires_grad)},  # fmt: skip
@@ -331,7 +336,8 @@ def print_table(results: list[dict]) -> None:
         compiled = ", compiled layers" if r.get("compile_draft_layers") else ""
         compiled += ", rows counted on the device" if r.get("loss_rows_counted_on") == "device" else ""
         compiled += ", waiting for each batch's copy" if r.get("batch_copy") == "wait" else ""
-        print(f"| {r['algorithm']} ({r['draft']['layers']} layers{compiled}) | {r['steps']} "
+        shape = f"{r['draft']['layers']} layers, MLP {r['draft']['intermediate_size']}"
+        print(f"| {r['algorithm']} ({shape}{compiled}) | {r['steps']} "
               f"| {fmt(r['measured_s'], '.1f')} "
               f"| {fmt(r['supervised_block_tokens_per_s'], ',.0f')} | {r['peak_memory_gib']:.2f} "
               f"| {fmt(h['tau_prob'], '.3f')} / {fmt(h['tau_greedy'], '.3f')} "

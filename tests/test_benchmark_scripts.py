@@ -131,17 +131,22 @@ def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
     assert report["trainer_step_ms"] > 0 and json.loads(out.read_text())["hardware"]["torch"]
 
 
-def test_train_throughput_smoke_runs_each_batch_copy_as_asked(tmp_path):
-    """benchmarks/train_throughput.py --batch_copy async wait: two runs, each reporting how the trainer it ran
-    copied batches (read from its arguments, not from the flag)."""
+@pytest.mark.parametrize("axis", ["batch_copy", "intermediate_size"])
+def test_train_throughput_smoke_runs_each_variant_as_asked(tmp_path, axis):
+    """benchmarks/train_throughput.py --batch_copy async wait / --intermediate_size A B: two runs, each reporting
+    what the trainer it ran did (read from its arguments and its draft, not from the flag)."""
     from conftest import require_default_target
 
     require_default_target()
     module = load_script("benchmarks/train_throughput.py")
+    values = {"batch_copy": ["async", "wait"], "intermediate_size": ["1536", "768"]}[axis]
     report = module.main(["--smoke", "--device", "cpu", "--data", str(REPO / "examples/data/demo_answers.jsonl.gz"),
-                          "--batch_copy", "async", "wait", "--output_dir", str(tmp_path / "drafts"),
+                          f"--{axis}", *values, "--output_dir", str(tmp_path / "drafts"),
                           "--output", str(tmp_path / "throughput.json")])  # fmt: skip
-    assert [run["batch_copy"] for run in report["runs"]] == ["async", "wait"]
+    if axis == "batch_copy":
+        assert [run["batch_copy"] for run in report["runs"]] == ["async", "wait"]
+    else:
+        assert [run["draft"]["intermediate_size"] for run in report["runs"]] == [1536, 768]
     assert all(run["steps"] == 3 for run in report["runs"])
 
 
