@@ -48,10 +48,8 @@ class DraftTrainingArguments(TrainingArguments):
     )
     intermediate_size: int | None = field(
         default=None,
-        metadata={"help": "Width of the draft layers' MLP (default: the target's). Where a step is bound by kernel "
-                  "launches (small targets), a wider MLP adds capacity at little cost per step; more layers add "
-                  "launches."},
-    )  # fmt: skip
+        metadata={"help": "Draft MLP width (default: the target's); wider costs little where a step is launch-bound."},
+    )
     block_size: int | None = field(
         default=None, metadata={"help": "Draft tokens per round: block size (DSpark/DFlash) or TTT length (Eagle3)."}
     )
