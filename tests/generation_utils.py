@@ -62,7 +62,8 @@ class OracleProposer:
         self.offset += batch_size
         return cache
 
-    def propose(self, cache, anchor_ids, *, sampler=None, num_tokens=None, input_ids=None, draft_tokens=None):
+    def propose(self, cache, anchor_ids, *, sampler=None, num_tokens=None, input_ids=None, draft_tokens=None,
+                return_logits=True):
         rows = cache.state["row_ids"]
         generated = cache.lengths.cpu() - self.real_prompt[rows] + 1  # tokens generated so far, incl. the anchor
         cols = self.prompt_length + generated[:, None] + torch.arange(num_tokens)

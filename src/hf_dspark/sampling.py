@@ -39,10 +39,11 @@ def apply_logits_processors(processors, input_ids: torch.Tensor, scores: torch.T
 
 
 def apply_position_free(processors, scores: torch.Tensor) -> torch.Tensor:
-    """Processors that read no sequence (temperature, top-k, top-p, ...) on scores [..., V] of any leading shape."""
+    """Processors that read no sequence (temperature, top-k, top-p, ...) on scores [..., V] of any leading shape,
+    as float32 (one copy, which processors may write in place, also casts)."""
     flat = scores.reshape(-1, scores.shape[-1])
     no_ids = torch.zeros(flat.shape[0], 0, dtype=torch.long, device=flat.device)
-    return apply_logits_processors(processors, no_ids, flat.clone()).view(scores.shape)
+    return apply_logits_processors(processors, no_ids, flat.to(torch.float32, copy=True)).view(scores.shape)
 
 
 class TokenSampler:

@@ -12,7 +12,7 @@ are kept per draft for later calls with the same rows, sampling settings and a f
   reads all of it under the key mask;
 - propose always drafts the configured number of tokens (the decoding loop uses a prefix near the token
   budget; slots are drawn left to right, so a prefix has the same law);
-- extend always takes `num_tokens + 1` positions, with the committed ones marked valid.
+- extend always takes `num_tokens + 1` positions, of which each row commits a prefix (its count).
 
 Inputs are copied into static buffers before a replay and outputs read from the captured tensors. The same
 code runs eagerly where there is no CUDA (the CPU tests exercise it), so the captured and the eager runs compute
@@ -44,7 +44,7 @@ class StaticDraftRunner:
         feature_width = draft.config.num_context_features * draft.config.target_hidden_size
         self.anchor_ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.features = torch.zeros(rows, self.width, feature_width, dtype=cache.keys[0].dtype, device=device)
-        self.valid = torch.zeros(rows, self.width, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(rows, dtype=torch.long, device=device)  # committed positions per row (a prefix)
         self.next_ids = torch.zeros(rows, self.width, dtype=torch.long, device=device)
         cache.fixed = True
         self.capture = capture and device.type == "cuda"
@@ -79,19 +79,22 @@ class StaticDraftRunner:
     # -- the two functions ------------------------------------------------------------------------------------
 
     def _run_propose(self) -> DraftProposal:
-        return self.draft.propose(self.cache, self.anchor_ids, sampler=self.sampler, num_tokens=self.num_tokens)
+        # No caller reads the raw logits: not building them saves a cast per slot and their stack.
+        return self.draft.propose(
+            self.cache, self.anchor_ids, sampler=self.sampler, num_tokens=self.num_tokens, return_logits=False
+        )
 
     def _run_extend(self) -> None:
         self.draft.extend_context(
-            self.cache, self.features, valid=self.valid, next_token_ids=self.next_ids, max_committed=self.width
+            self.cache, self.features, counts=self.counts, next_token_ids=self.next_ids, max_committed=self.width
         )
 
     def _capture(self) -> None:
-        # Extension warms up with no valid position, which writes only past every row's length and advances nothing.
+        # Extension warms up with no committed position: it writes only past every row's length, advances nothing.
         def both():
             pool = torch.cuda.graph_pool_handle()
             self._propose_graph, self._proposal = capture(self._propose_fn, pool=pool)
-            self._extend_graph, _ = capture(self._extend_fn, before_warmup=self.valid.zero_, pool=pool)
+            self._extend_graph, _ = capture(self._extend_fn, before_warmup=self.counts.zero_, pool=pool)
 
         capture_or_uncompiled("draft functions", both, self.compiled, self._uncompile)
 
@@ -116,16 +119,16 @@ class StaticDraftRunner:
         return DraftProposal(
             tokens=pick(full.tokens),
             probs=pick(full.probs),
-            logits=pick(full.logits),
             confidences=pick(full.confidences),
             confidence_logits=pick(full.confidence_logits),
         )
 
-    def extend(self, local_rows: torch.Tensor, features: torch.Tensor, valid: torch.Tensor, next_ids: torch.Tensor):
-        """Append the committed positions (`valid` [R, w], w <= num_tokens + 1) of the running rows."""
+    def extend(self, local_rows: torch.Tensor, features: torch.Tensor, counts: torch.Tensor, next_ids: torch.Tensor):
+        """Append the first `counts` [R] of the positions `features` [R, w] (w <= num_tokens + 1) of the running
+        rows."""
         width = features.shape[1]
-        self.valid.zero_()
-        self.valid[local_rows, :width] = valid
+        self.counts.zero_()
+        self.counts[local_rows] = counts
         self.features[local_rows, :width] = features.to(self.features.dtype)
         self.next_ids[local_rows, :width] = next_ids
         if self._extend_graph is not None:

@@ -51,13 +51,13 @@ def verify_block(
     draft_tokens = draft_tokens[:, :n]
     slot = torch.arange(n, device=target_scores.device)
     proposed = slot[None, :] < num_proposed[:, None]  # [R, n]
-    index = torch.arange(rows, device=target_scores.device)
 
     if not do_sample:
+        # Scores of any float dtype: argmax of bf16 values is the argmax of their (exact) float32 casts.
         choice = target_scores.argmax(dim=-1)  # [R, n+1]
         accepted = (choice[:, :n] == draft_tokens) & proposed
         num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
-        return VerifyResult(num_accepted, choice[index, num_accepted])
+        return VerifyResult(num_accepted, choice.gather(1, num_accepted[:, None]).squeeze(1))
 
     if draft_probs is None and n > 0:
         raise ValueError("sampling verification needs draft_probs: the distributions the draft tokens were drawn from")
@@ -73,16 +73,22 @@ def verify_block(
     else:
         num_accepted = torch.zeros(rows, dtype=torch.long, device=p.device)
 
-    p_next = p[index, num_accepted]  # [R, V]: p_{a+1}
+    p_next = _row_slot(p, num_accepted)  # [R, V]: p_{a+1}
     if n > 0:
         rejected = (num_accepted < num_proposed)[:, None]
-        q_next = q[index, num_accepted.clamp(max=n - 1)] * rejected
+        q_next = _row_slot(q, num_accepted.clamp(max=n - 1)) * rejected
         residual = (p_next - q_next).clamp_min(0)
         mass = residual.sum(dim=-1, keepdim=True)
         # p == q up to rounding makes a rejection (almost) impossible; fall back to p rather than divide by ~0.
         p_next = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-30), p_next)
     next_tokens = sample_from(p_next, generator)
     return VerifyResult(num_accepted, next_tokens)
+
+
+def _row_slot(values: torch.Tensor, slot: torch.LongTensor) -> torch.Tensor:
+    """values [R, k, V] -> [R, V]: each row's entry at `slot` [R] (one gather, no row index)."""
+    index = slot[:, None, None].expand(-1, 1, values.shape[-1])
+    return values.gather(1, index).squeeze(1)
 
 
 def block_tokens(window: torch.LongTensor, result: VerifyResult) -> torch.LongTensor:
@@ -94,10 +100,10 @@ def block_tokens(window: torch.LongTensor, result: VerifyResult) -> torch.LongTe
 
 def cut_at_stop(tokens: torch.LongTensor, counts: torch.LongTensor, stop_ids: torch.LongTensor):
     """(counts cut just after the first stop token among each row's first `counts` tokens, rows that stopped)."""
-    slot = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
-    is_stop = torch.isin(tokens, stop_ids) & (slot < counts[:, None])
-    hit = is_stop.any(dim=-1)
-    return torch.where(hit, torch.minimum(counts, is_stop.long().argmax(dim=-1) + 1), counts), hit
+    width = tokens.shape[1]
+    slot = torch.arange(width, device=tokens.device)
+    first = slot.masked_fill(torch.isin(tokens, stop_ids, invert=True), width).amin(dim=-1)  # width: none
+    return torch.minimum(counts, first + 1), first < counts
 
 
 __all__ = ["VerifyResult", "block_tokens", "cut_at_stop", "verify_block"]

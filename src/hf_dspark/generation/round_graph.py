@@ -44,16 +44,20 @@ class FusedRoundRunner:
         # Its functions (compiled where `compile_draft`) run inside this runner's graph; it captures none itself.
         self.draft_runner = StaticDraftRunner(draft, self.dcache, sampler, num_tokens, capture=False,
                                               compile=compile_draft)
+        # The draft reads its anchors where the round gathers them, in the verify window: no copy between.
+        self.draft_runner.anchor_ids = target_runner.window[:, 0]
+        self.copy_next_ids = draft.extends_with_next_tokens  # block drafters ignore them: no copy either
         self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device) if eos_ids else None
         long = dict(dtype=torch.long, device=device)
         # The call's token rows (prompt, then generated tokens; drafts are written past each row's length).
         self.tokens = torch.zeros(rows, capacity + self.width + 2, **long)
-        self.prompt_length = torch.zeros((), **long)
-        self.budget = torch.zeros((), **long)
+        self.last_prompt_col = torch.zeros((), **long)  # prompt length - 1: a row's anchor is here + its length
+        self.draft_budget = torch.zeros((), **long)  # token budget - 1 (a row's bonus token is committed too)
         self.lengths = torch.zeros(rows, **long)  # generated tokens per row
         self.real = torch.zeros(rows, **long)  # the target position of each row's next token
         self.running = torch.zeros(rows, dtype=torch.bool, device=device)
         self.slot = torch.arange(self.width, device=device)
+        self.ahead = self.slot + 1  # the columns of a window's tokens after its anchor
         self.out = torch.zeros(5, rows, **long)
         self.capture = capture and device.type == "cuda"
         self._graph = None
@@ -71,8 +75,8 @@ class FusedRoundRunner:
         decoder reads as its buffer."""
         width = tokens.shape[1]
         self.tokens[:, :width] = tokens
-        self.prompt_length.fill_(prompt_length)
-        self.budget.fill_(budget)
+        self.last_prompt_col.fill_(prompt_length - 1)
+        self.draft_budget.fill_(budget - 1)
         self.lengths.copy_(lengths)
         self.real.copy_(real)
         self.running.copy_(running)
@@ -122,48 +126,49 @@ class FusedRoundRunner:
 
     def _round(self) -> None:
         n, slot, running = self.n, self.slot, self.running
-        anchors = self.tokens.gather(1, (self.prompt_length + self.lengths - 1)[:, None]).squeeze(1)
-        draft = self.draft_runner
-        draft.anchor_ids.copy_(anchors)
+        draft, target = self.draft_runner, self.target_runner
+        anchor_cols = self.last_prompt_col + self.lengths  # each row's last committed token
+        # Into the verify window's first column, which is also the draft's anchor buffer (see __init__).
+        torch.gather(self.tokens, 1, anchor_cols[:, None], out=target.window[:, :1])
         proposal = draft._propose_fn()
         self._confidences = proposal.confidences
         drafts = proposal.tokens[:, :n]
-        caps = (self.budget - 1 - self.lengths).clamp(min=0, max=n)  # whole blocks, cut by the token budget
-        window = torch.cat([anchors[:, None], drafts], dim=1)  # [rows, n + 1]
-        target = self.target_runner
-        target.window.copy_(window)
-        target.positions.copy_(self.real[:, None] + slot)
+        caps = (self.draft_budget - self.lengths).clamp(min=0, max=n)  # whole blocks, cut by the token budget
+        target.window[:, 1:] = drafts
+        window = target.window  # [rows, n + 1]: anchor, drafts
+        torch.add(self.real[:, None], slot, out=target.positions)
         logits, features = target._run()
-        scores = logits.float()
-        if len(self.processors):
-            scores = apply_position_free(self.processors, scores)
+        # Greedy verification takes an argmax and sampling casts to float32 itself: only processors need a copy.
+        scores = apply_position_free(self.processors, logits) if len(self.processors) else logits
         result = verify_block(scores, drafts, proposal.probs, caps, self.do_sample)
         accepted = result.num_accepted
         new_tokens = block_tokens(window, result)
-        counts = accepted + 1
-        finished = torch.zeros_like(running)
+        # Each running row commits a prefix of its window (accepted drafts + the new token; none where idle): the
+        # draft's context extends by these counts whatever EOS cuts, as the target's cache keeps them.
+        prefix = torch.mul(accepted + 1, running, out=draft.counts)
+        counts = prefix
         if self.eos is not None:
-            counts, finished = cut_at_stop(new_tokens, counts, self.eos)
-        counts = counts * running
+            counts, stopped = cut_at_stop(new_tokens, prefix, self.eos)
         # Every column is written; those past a row's count lie beyond its length, where nothing reads them.
-        columns = self.prompt_length + self.lengths[:, None] + slot
-        self.tokens.scatter_(1, columns, new_tokens)
+        self.tokens.scatter_(1, anchor_cols[:, None] + self.ahead, new_tokens)
         self.lengths += counts
-        finished = (finished | (self.lengths >= self.budget)) & running
-        continuing = running & ~finished
+        finished = self.lengths > self.draft_budget  # the token budget is spent
+        if self.eos is not None:
+            finished = finished | stopped
+        finished = finished & running
+        continuing = running ^ finished  # (finished rows are running ones)
         # The verification cache keeps the longest committed prefix among continuing rows (else among all).
-        taken = accepted + 1
-        keep = torch.where(continuing.any(), (taken * continuing).amax(), (taken * running).amax())
-        committed = (slot[None, :] < keep) & (slot[None, :] <= accepted[:, None]) & running[:, None]
+        keep = torch.where(continuing.any(), prefix * continuing, prefix).amax()
+        committed = slot[None, :] < prefix.clamp(max=keep)[:, None]
         target.key_valid.scatter_(1, (target.length_t + slot)[None, :].expand_as(committed), committed)
         target.length_t += keep
-        self.real += taken * running
-        draft.features.copy_(features.to(draft.features.dtype))
-        draft.valid.copy_((slot[None, :] <= accepted[:, None]) & running[:, None])
-        draft.next_ids.copy_(new_tokens)
+        self.real += prefix
+        draft.features.copy_(features)
+        if self.copy_next_ids:
+            draft.next_ids.copy_(new_tokens)
         draft._extend_fn()
-        running &= ~finished
-        self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
+        running.copy_(continuing)
+        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
 
 
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> (key, runner)

@@ -563,12 +563,12 @@ class _Decoder:
 
     def _process(self, logits: torch.Tensor, rows: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Target logits [R, W, V] at positions lengths[r] + k of each row -> processed float scores."""
-        logits = logits.float()
         if len(self.logits_processor) == 0:
-            return logits
-        rows_n, width, vocab = logits.shape
+            return logits.float()
         if self.position_free:
-            return apply_position_free(self.logits_processor, logits)
+            return apply_position_free(self.logits_processor, logits)  # (casts as it copies)
+        logits = logits.float()
+        rows_n, width, vocab = logits.shape
         # Processors may keep per-row state (e.g. the repetition penalty's prompt padding per row): call them on
         # the whole original batch, in its order; only the rows of the current length group are read back.
         out = torch.empty_like(logits)
@@ -900,12 +900,12 @@ class _Decoder:
             real = real + accepted + 1
         if continuing:  # context K/V of the committed positions
             with phase("extend"):
-                valid = slot <= accepted[:, None]
+                prefix = accepted + 1  # each row commits a prefix of its window: nothing to left-pack
                 if runner is not None:
-                    runner.extend(local_t, features, valid, new_tokens)
+                    runner.extend(local_t, features, prefix, new_tokens)
                 else:
                     draft.extend_context(
-                        dcache, features, valid=valid, next_token_ids=new_tokens, max_committed=max(accepted_h) + 1
+                        dcache, features, next_token_ids=new_tokens, max_committed=max(accepted_h) + 1, counts=prefix
                     )
             self.stats.draft_time += time.perf_counter() - t2
         return counts, finished, mask, real

@@ -65,20 +65,23 @@ class DraftContextCache:
             for i, t in enumerate(store):
                 store[i] = torch.cat([t, t.new_zeros(t.shape[0], t.shape[1], pad, t.shape[3])], dim=2)
 
+    def positions(self, width: int) -> torch.Tensor:
+        """Positions `lengths + i` [B, width] that the next `width` entries of each row will occupy."""
+        return self.lengths[:, None] + torch.arange(width, device=self.device)
+
     def slots(self, counts: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions `lengths + i` [B, width] that new entries will occupy and which of them are real."""
+        """`positions(width)` and which of them are real (the first `counts[r]`)."""
         offsets = torch.arange(width, device=self.device)
         return self.lengths[:, None] + offsets, offsets[None, :] < counts[:, None]
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor) -> None:
-        """Store the first `counts[r]` entries of key/value [B, KV, width, hd] after each row's committed ones
-        (left-packed: entries past a row's count are written too, beyond its new length, where nothing reads them)."""
-        width = key.shape[2]
-        self._grow(self.bound + width)
-        positions, _ = self.slots(counts, width)
-        rows = torch.arange(self.batch_size, device=self.device)[:, None].expand_as(positions)
-        self.keys[layer][rows, :, positions] = key.transpose(1, 2).to(self.keys[layer].dtype)
-        self.values[layer][rows, :, positions] = value.transpose(1, 2).to(self.values[layer].dtype)
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store key/value [B, KV, width, hd] at `positions` [B, width] (from `positions` or `slots`, computed once
+        for all layers): left-packed, entries past a row's count land beyond its new length, where nothing reads
+        them."""
+        self._grow(self.bound + key.shape[2])
+        index = positions[:, None, :, None].expand_as(key)  # positions are distinct per row: a plain scatter
+        self.keys[layer].scatter_(2, index, key.to(self.keys[layer].dtype))
+        self.values[layer].scatter_(2, index, value.to(self.values[layer].dtype))
 
     def advance(self, counts: torch.Tensor, width: int | None = None) -> None:
         """Add counts [B] committed entries to each row; `width` (>= counts.max(), known on the host) keeps the

@@ -67,9 +67,9 @@ class DraftProposal(ModelOutput):
     """One proposed block per request.
 
     tokens [R, n]; probs [R, n, V]: the exact (processed) distributions the tokens were drawn from (None for a
-    greedy proposal: greedy verification compares tokens only); logits [R, n, V]: the raw draft logits (float32);
-    confidences / confidence_logits [R, n] (DSpark with a confidence head; calibrated by the config's STS
-    temperatures when present).
+    greedy proposal: greedy verification compares tokens only); logits [R, n, V]: the raw draft logits (float32;
+    None from `propose(return_logits=False)`); confidences / confidence_logits [R, n] (DSpark with a confidence
+    head; calibrated by the config's STS temperatures when present).
     """
 
     tokens: torch.LongTensor | None = None
@@ -97,6 +97,8 @@ class DraftPreTrainedModel(PreTrainedModel):
     # Methods of each entry of `self.layers` the trainer may compile (`compile_draft_layers`): the element-wise
     # work around the matrix products (norms, rotary, residuals, casts) runs as a few fused kernels.
     compiled_layer_methods: tuple[str, ...] = ("forward",)
+    # Whether `_extend` reads the token after each committed position (Eagle3); block drafters ignore it.
+    extends_with_next_tokens: bool = False
 
     # -- construction -----------------------------------------------------------------------------------------
 
@@ -375,26 +377,34 @@ class DraftPreTrainedModel(PreTrainedModel):
         valid: torch.Tensor | None = None,
         next_token_ids: torch.Tensor | None = None,
         max_committed: int | None = None,
+        counts: torch.Tensor | None = None,
     ) -> None:
         """Append newly committed positions to each request's context.
 
         context_features [R, t, m * d_target]: the target's features of the positions it just processed;
-        valid bool [R, t]: which of them are committed (default: all), in order; next_token_ids [R, t]: the token
-        that follows each position (Eagle3 needs it; block drafters ignore it); max_committed: the host's copy of
-        valid.sum(1).max(), when the caller knows it (saves a device round trip).
+        valid bool [R, t]: which of them are committed (default: all), in order; counts [R] (instead of `valid`):
+        the committed positions are each row's first counts[r] (a prefix: already left-packed, so nothing is
+        moved); next_token_ids [R, t]: the token that follows each position (Eagle3 needs it; block drafters
+        ignore it); max_committed: the host's copy of the most committed positions of a row, when the caller
+        knows it (saves a device round trip).
         """
-        if valid is None:
-            valid = torch.ones(context_features.shape[:2], dtype=torch.bool, device=context_features.device)
-            max_committed = context_features.shape[1]
-        features, counts = pack_left(context_features, valid)
+        if valid is not None and counts is not None:
+            raise ValueError("extend_context takes valid or counts, not both")
+        if valid is None and counts is None:  # every position is committed
+            rows, t = context_features.shape[:2]
+            counts = torch.full((rows,), t, dtype=torch.long, device=context_features.device)
+            max_committed = t
+        next_ids = next_token_ids
+        if valid is not None:
+            context_features, counts = pack_left(context_features, valid)
+            next_ids = None if next_token_ids is None else pack_left(next_token_ids, valid)[0]
         if max_committed is not None:
             width = int(max_committed)
         else:
             width = int(counts.max().item()) if counts.numel() else 0
         if width == 0:
             return
-        next_ids = None if next_token_ids is None else pack_left(next_token_ids, valid)[0][:, :width]
-        self._extend(cache, features[:, :width], counts, next_ids)
+        self._extend(cache, context_features[:, :width], counts, None if next_ids is None else next_ids[:, :width])
 
     def _extend(self, cache, features, counts, next_token_ids) -> None:
         raise NotImplementedError
@@ -408,20 +418,23 @@ class DraftPreTrainedModel(PreTrainedModel):
         num_tokens: int | None = None,
         input_ids: torch.Tensor | None = None,
         draft_tokens: torch.Tensor | None = None,
+        return_logits: bool = True,
     ) -> DraftProposal:
         """Propose `num_tokens` (default: the config's block size / ttt length) tokens after each anchor.
 
         sampler: how to turn logits into distributions and tokens (default: plain sampling at temperature 1);
         input_ids [R, L]: each request's sequence so far ending with the anchor, for logits processors that read
-        it; draft_tokens [R, n]: score these tokens instead of sampling (teacher forcing, for evaluation/tests).
+        it; draft_tokens [R, n]: score these tokens instead of sampling (teacher forcing, for evaluation/tests);
+        return_logits: False leaves `logits` None (the decoding loop reads none: it saves their float32 copies).
         """
         n = self.num_draft_tokens if num_tokens is None else num_tokens
         if n < 1:
             raise ValueError(f"num_tokens must be >= 1, got {n}")
         with torch.no_grad():
-            return self._propose(cache, anchor_ids, sampler or TokenSampler(), n, input_ids, draft_tokens)
+            sampler = sampler or TokenSampler()
+            return self._propose(cache, anchor_ids, sampler, n, input_ids, draft_tokens, return_logits)
 
-    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
+    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens, return_logits) -> DraftProposal:
         raise NotImplementedError
 
     def _draw(self, sampler, logits, input_ids, step_tokens, draft_tokens, k):

@@ -189,14 +189,14 @@ class DSparkModel(DraftPreTrainedModel):
 
     def _extend(self, cache: DraftContextCache, features, counts, next_token_ids) -> None:
         context = self.project_context(features)
-        positions, _ = cache.slots(counts, features.shape[1])
+        positions = cache.positions(features.shape[1])
         cos, sin = self.rotary_emb(positions, context.dtype)
         for i, layer in enumerate(self.layers):
             key, value = layer.context_kv(context, cos, sin)
-            cache.write(i, key, value, counts)
+            cache.write(i, key, value, positions)
         cache.advance(counts, features.shape[1])
 
-    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
+    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens, return_logits) -> DraftProposal:
         cfg = self.config
         K = cfg.block_size
         if num_tokens > K:
@@ -207,7 +207,7 @@ class DSparkModel(DraftPreTrainedModel):
         block_ids[:, 0] = anchor_ids
         dtype = self.fc.weight.dtype
         hidden = self.embed(block_ids).to(dtype)
-        positions = cache.lengths[:, None] + torch.arange(K, device=device)
+        positions = cache.positions(K)
         cos, sin = self.rotary_emb(positions, dtype)
         length = cache.max_length
         mask = torch.cat(
@@ -216,22 +216,25 @@ class DSparkModel(DraftPreTrainedModel):
         ).unsqueeze(1)
         context_kvs = [cache.layer_kv(i, length) for i in range(len(self.layers))]
         hidden = self._run_layers(hidden, cos, sin, context_kvs, mask)[:, :num_tokens]
-        return self._sample_block(hidden, anchor_ids, sampler, input_ids, draft_tokens)
+        return self._sample_block(hidden, anchor_ids, sampler, input_ids, draft_tokens, return_logits)
 
-    def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens) -> DraftProposal:
+    def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens, return_logits) -> DraftProposal:
         """Left-to-right sampling through the Markov head; without one (DFlash) and with processors that do not
-        read the sequence (`input_ids` is None), every slot is drawn in one batched call."""
+        read the sequence (`input_ids` is None), every slot is drawn in one batched call. Logits are cast to
+        float32 here only when returned: otherwise the sampler casts what it processes, and a greedy draw without
+        processors argmaxes them as they are (`TokenSampler.draw`)."""
         cfg = self.config
         rows, n, _ = hidden.shape
         base_logits = F.linear(hidden, self.lm_head.weight)  # [R, n, V], once for the whole block
         if not cfg.has_markov_head and input_ids is None:
-            logits = self.finish_logits(base_logits).float()
+            logits = self.finish_logits(base_logits)
+            logits = logits.float() if return_logits else logits
             forced = None if draft_tokens is None else draft_tokens.reshape(rows * n, 1)
             # Every slot at once, as the rows of one draw.
             probs, tokens = self._draw(sampler, logits.reshape(rows * n, -1), None, [], forced, 0)
             probs = None if probs is None else probs.view(rows, n, -1)
             confidence_logits = self.confidence_head(hidden).float() if cfg.enable_confidence_head else None
-            return self._proposal(tokens.view(rows, n), probs, logits, confidence_logits)
+            return self._proposal(tokens.view(rows, n), probs, logits if return_logits else None, confidence_logits)
         prev = anchor_ids
         state = self.markov_head.init_state(hidden[:, 0]) if cfg.has_markov_head else None
         tokens, probs, logits, prev_embeds = [], [], [], []
@@ -242,12 +245,13 @@ class DSparkModel(DraftPreTrainedModel):
                 prev_embed = self.markov_head.embed(prev).to(h_k.dtype)
                 z, state = self.markov_head.step(h_k, prev_embed, state)
                 prev_embeds.append(prev_embed)
-            # Cast once: the sampler's own float cast is then a no-op, and the stored logits are the same tensor.
-            step_logits = self.finish_logits(base_logits[:, k], z).float()
+            step_logits = self.finish_logits(base_logits[:, k], z)
+            if return_logits:  # cast once: the sampler's own cast is then a no-op, the stored logits this tensor
+                step_logits = step_logits.float()
+                logits.append(step_logits)
             p_k, x_k = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, k)
             tokens.append(x_k)
             probs.append(p_k)
-            logits.append(step_logits)
             prev = x_k
         confidence_logits = None
         if cfg.enable_confidence_head:  # after the loop, all slots at once: no slot's draw depends on it
@@ -255,7 +259,8 @@ class DSparkModel(DraftPreTrainedModel):
             prev_all = torch.stack(prev_embeds, dim=1) if with_markov else None
             confidence_logits = self.confidence_head(hidden, prev_all).float()
         return self._proposal(
-            torch.stack(tokens, dim=1), stack_or_none(probs), torch.stack(logits, dim=1), confidence_logits
+            torch.stack(tokens, dim=1), stack_or_none(probs), torch.stack(logits, dim=1) if logits else None,
+            confidence_logits,
         )
 
     def _sts_temperatures(self, device: torch.device) -> torch.Tensor | None:

@@ -63,6 +63,7 @@ class Eagle3Model(DraftPreTrainedModel):
     config_class = Eagle3Config
     _no_split_modules = ["Eagle3DecoderLayer"]
     compiled_layer_methods = ("inputs", "finish")  # the attention in between runs per TTT step, uncompiled
+    extends_with_next_tokens = True  # the step-0 entry of a position embeds the token after it
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
@@ -171,10 +172,10 @@ class Eagle3Model(DraftPreTrainedModel):
             previous.copy_(torch.where((counts > 0)[:, None], new_last, previous))
         else:
             cache.state["last_hidden"] = new_last
-        cache.write(0, key, value, counts)
+        cache.write(0, key, value, positions)
         cache.advance(counts, width)
 
-    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens) -> DraftProposal:
+    def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens, return_logits) -> DraftProposal:
         if "last_hidden" not in cache.state:
             raise RuntimeError("extend_context must run (with the prompt's features) before propose")
         attn = self.layer.self_attn
@@ -205,13 +206,17 @@ class Eagle3Model(DraftPreTrainedModel):
                     _impl(self),
                 )
                 hidden = self.layer.finish(residual, attn.o_proj(out))[:, 0]
-            step_logits = self.draft_logits(self.norm(hidden)).float()  # cast once (see DSpark's block draw)
+            step_logits = self.draft_logits(self.norm(hidden))
+            if return_logits:  # cast once, and only when returned (see DSpark's block draw)
+                step_logits = step_logits.float()
+                logits.append(step_logits)
             p_j, x_j = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, j)
             tokens.append(x_j)
             probs.append(p_j)
-            logits.append(step_logits)
         return DraftProposal(
-            tokens=torch.stack(tokens, dim=1), probs=stack_or_none(probs), logits=torch.stack(logits, dim=1)
+            tokens=torch.stack(tokens, dim=1),
+            probs=stack_or_none(probs),
+            logits=torch.stack(logits, dim=1) if logits else None,
         )
 
 
