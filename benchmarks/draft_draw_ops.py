@@ -1,12 +1,16 @@
 """What one draft proposal (a round's block draw) issues: aten operators per drafter and temperature, and on CUDA
-the time of a proposal replayed as the decoding loop replays it (`StaticDraftRunner`, one CUDA graph).
+the time of a proposal replayed as the decoding loop replays it (`StaticDraftRunner`, one CUDA graph). With
+`--round`, the operators of one whole fused round instead (`round_graph.FusedRoundRunner`: proposal, the target's
+verify forward, counted apart, verification, commit, the draft's context extension), run eagerly.
 
 A speculative round at batch 16 is bound by kernel launches, not arithmetic, so the operator count of the draw is
 what separates the drafters' round costs: DSpark draws its block slot by slot through its Markov head, DFlash in
-one batched call, Eagle3 one forward per slot. On CPU the script counts (no timing); on CUDA it also times.
+one batched call, Eagle3 one forward per slot. On CPU the script counts (no timing); on CUDA it also times a
+proposal (rounds are timed by generation_speed.py).
 
     python benchmarks/draft_draw_ops.py --device cpu --json OUT.json              # tiny random target, vocab 49152
     python benchmarks/draft_draw_ops.py --target TARGET --device cuda --json OUT.json
+    python benchmarks/draft_draw_ops.py --round --device cpu --json OUT.json      # whole rounds
 
 Counts are dispatched aten operators without views and allocations (what launches work); `torch.multinomial`
 counts once here but runs about 13 kernels on CUDA (its input checks, then the exponential race), listed apart.
@@ -61,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--replays", type=int, default=200, help="timed replays per configuration (CUDA)")
+    p.add_argument("--round", action="store_true", help="count a whole fused round (the second of a call)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -113,14 +118,75 @@ def measure(args, target, name: str, temperature: float, device, dtype) -> dict:
     return row
 
 
+class _CountSecondRound:
+    """Patches `FusedRoundRunner._round` for one call: the second round (past any first-round set-up) runs under
+    an `OperatorCount`, with the target's verify forward counted apart."""
+
+    def __init__(self):
+        from hf_dspark.generation import round_graph
+
+        self.runner_class, self.plain = round_graph.FusedRoundRunner, round_graph.FusedRoundRunner._round
+        self.rounds, self.ops, self.target_ops = 0, OperatorCount(), 0
+
+    def __enter__(self):
+        counter, plain = self, self.plain
+
+        def counted(runner):
+            counter.rounds += 1
+            if counter.rounds != 2:
+                return plain(runner)
+            forward = runner.target_runner._run
+
+            def target_forward():
+                before = sum(counter.ops.names.values())
+                try:
+                    return forward()
+                finally:
+                    counter.target_ops += sum(counter.ops.names.values()) - before
+
+            runner.target_runner._run = target_forward
+            try:
+                with counter.ops:
+                    plain(runner)
+            finally:
+                runner.target_runner._run = forward
+
+        self.runner_class._round = counted
+        return self
+
+    def __exit__(self, *exc):
+        self.runner_class._round = self.plain
+
+
+def measure_round(args, target, name: str, temperature: float, device, dtype) -> dict:
+    torch.manual_seed(0)
+    layers = 1 if name == "eagle3" else args.num_hidden_layers
+    draft = DRAFTERS[name].from_target(target, num_hidden_layers=layers, block_size=args.block_size)
+    draft = draft.to(device=device, dtype=dtype).eval()
+    ids = torch.randint(3, target.config.vocab_size, (args.rows, 24), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))  # fmt: skip
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
+    with _CountSecondRound() as counter:
+        target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
+                        max_new_tokens=4 * (args.block_size + 1), dspark_target_graphs=True, dspark_fused_round=True,
+                        **sampling)  # fmt: skip
+    if counter.rounds < 2:
+        raise RuntimeError(f"{name}: the call ran {counter.rounds} fused round(s); the count needs a second")
+    total = sum(counter.ops.names.values())
+    return {"drafter": name, "temperature": temperature, "operators": total,
+            "target_forward_operators": counter.target_ops, "other_operators": total - counter.target_ops,
+            "float_casts": counter.ops.names["_to_copy"], "top_operators": dict(counter.ops.names.most_common(12))}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     target = load_target(args, device, dtype)
-    rows = [measure(args, target, name, t, device, dtype) for name in args.drafters for t in args.temperatures]
+    count = measure_round if args.round else measure
+    rows = [count(args, target, name, t, device, dtype) for name in args.drafters for t in args.temperatures]
     result = {
-        "benchmark": "draft_draw_ops",
+        "benchmark": "draft_draw_ops" + (" --round" if args.round else ""),
         "command": "draft_draw_ops.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "hardware": hardware(device),
         "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
@@ -128,6 +194,13 @@ def main(argv=None) -> int:
     }
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.round:
+        print("| drafter | T | aten operators a round | the target's verify forward | the rest | float casts |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['drafter']} | {r['temperature']:g} | {r['operators']} | {r['target_forward_operators']} "
+                  f"| {r['other_operators']} | {r['float_casts']} |")
+        return 0
     print("| drafter | T | aten operators | multinomial calls (~13 kernels each on CUDA) | softmax | float casts "
           "| ms a proposal (CUDA graph) |")
     print("|---|---|---|---|---|---|---|")

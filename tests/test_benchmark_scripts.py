@@ -163,6 +163,21 @@ def test_draft_draw_ops_counts_every_drafter_and_temperature(tmp_path):
     assert rows["dspark", 0.0]["operators"] > rows["dflash", 0.0]["operators"]
 
 
+def test_draft_draw_ops_round_counts_a_whole_round_with_the_target_apart(tmp_path):
+    """--round: one fused round per drafter and temperature, the target's verify forward counted apart from the rest,
+    and a greedy round spends fewer operators than a sampled one outside the target."""
+    module = load_script("benchmarks/draft_draw_ops.py")
+    out = tmp_path / "rounds.json"
+    assert module.main(["--round", "--device", "cpu", "--vocab", "512", "--drafters", "dspark", "--json", str(out)]) == 0
+    rows = {r["temperature"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {0.0, 1.0}
+    for r in rows.values():
+        assert 0 < r["target_forward_operators"] < r["operators"]
+        assert r["other_operators"] == r["operators"] - r["target_forward_operators"]
+    assert rows[0.0]["target_forward_operators"] == rows[1.0]["target_forward_operators"]
+    assert rows[0.0]["other_operators"] < rows[1.0]["other_operators"]
+
+
 def test_regenerate_speed_smoke_times_every_mode(tmp_path):
     """benchmarks/regenerate_speed.py --smoke: every mode answers every prompt, and greedy in float32 they cut the
     same answers at the limit, so the timing compares like with like."""
