@@ -1,9 +1,12 @@
-"""Helpers shared by the generation tests: drafts for tiny targets, an oracle proposer, exact target distributions
-and a chi-square goodness-of-fit test."""
+"""Helpers shared by the generation tests: drafts for tiny targets, an oracle proposer, exact target distributions,
+a chi-square goodness-of-fit test and an operator counter."""
 
 from __future__ import annotations
 
+import collections
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
@@ -11,6 +14,32 @@ from hf_dspark.data.prompts import left_pad
 from hf_dspark.models.modeling_draft import DraftProposal
 
 DRAFTERS = {"dspark": DSparkModel, "dflash": DFlashModel, "eagle3": Eagle3Model}
+
+# Operators that launch no work (views, allocations): left out of operator counts.
+NO_WORK = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute",
+           "reshape", "alias", "as_strided", "detach", "empty", "empty_like", "empty_strided", "new_empty", "split",
+           "chunk", "unbind", "lift_fresh", "_reshape_alias"}  # fmt: skip
+
+
+class OperatorCount(TorchDispatchMode):
+    """Aten operators that do work, by name, and the float casts of vocabulary-wide tensors (last dim `vocab`);
+    nothing is counted while `paused` (e.g. inside the target's forward)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+        self.names: collections.Counter = collections.Counter()
+        self.vocab_casts = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in NO_WORK and not self.paused:
+            self.names[name] += 1
+            source = args[0] if args else None
+            if name == "_to_copy" and isinstance(source, torch.Tensor) and source.shape[-1] == self.vocab:
+                self.vocab_casts += 1
+        return func(*args, **(kwargs or {}))
 
 
 # generate() options of each decoding path the tests run: the dynamic one; the static draft (CUDA graphs on GPU,

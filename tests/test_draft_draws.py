@@ -6,13 +6,10 @@ tokens only), a sampled draw skips `torch.multinomial`'s input checks (about ten
 drawing exactly what multinomial draws, and each slot's vocabulary-wide logits are cast to float32 once.
 """
 
-import collections
-
 import pytest
 import torch
 from conftest import make_tiny_target
-from generation_utils import make_draft
-from torch.utils._python_dispatch import TorchDispatchMode
+from generation_utils import OperatorCount, make_draft
 
 from hf_dspark import TokenSampler, target_features
 from hf_dspark.sampling import sample_from
@@ -32,24 +29,6 @@ def test_sample_from_draws_what_torch_multinomial_draws():
         assert (probs.gather(1, ours[:, None]) > 0).all()
 
 
-class _Operators(TorchDispatchMode):
-    """Counts aten operators by name, and the float casts of vocabulary-wide tensors."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab = vocab
-        self.names: collections.Counter = collections.Counter()
-        self.vocab_casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        self.names[name] += 1
-        source = args[0] if args else None
-        if name == "_to_copy" and isinstance(source, torch.Tensor) and source.shape[-1] == self.vocab:
-            self.vocab_casts += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture(scope="module")
 def target():
     return make_tiny_target("llama", vocab_size=96)
@@ -61,7 +40,7 @@ def _propose(target, drafter, sampler):
     feats, _ = target_features(target, ids, draft.config.target_layer_ids)
     cache = draft.new_context_cache(ROWS)
     draft.extend_context(cache, feats[:, :-1].to(torch.bfloat16), next_token_ids=ids[:, 1:])
-    ops = _Operators(vocab=96)
+    ops = OperatorCount(vocab=96)
     with ops:
         proposal = draft.propose(cache, ids[:, -1], sampler=sampler)
     return proposal, ops

@@ -7,22 +7,16 @@ argmaxes the target's logits as they are (no float32 copy). These tests pin the 
 with a plain reference (the round as written before) token for token under a seed, greedy and sampled.
 """
 
-import collections
-
 import pytest
 import torch
 from conftest import make_tiny_target
-from generation_utils import PATHS, left_padded, make_draft
-from torch.utils._python_dispatch import TorchDispatchMode
+from generation_utils import PATHS, OperatorCount, left_padded, make_draft
 
 import hf_dspark.models.modeling_draft as modeling_draft
 from hf_dspark.generation import round_graph
 from hf_dspark.generation.rejection import block_tokens, cut_at_stop, verify_block
 from hf_dspark.sampling import apply_position_free
 
-NO_WORK = {"view", "_unsafe_view", "select", "slice", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute",
-           "reshape", "alias", "as_strided", "detach", "empty", "empty_like", "empty_strided", "new_empty", "split",
-           "chunk", "unbind", "lift_fresh", "_reshape_alias"}  # fmt: skip
 # Operators of one DSpark greedy round outside the target's forward (the setup below; 216 before the trimming).
 DSPARK_GREEDY_OPS = 171
 
@@ -96,31 +90,11 @@ def test_the_fused_round_decodes_what_the_reference_round_decodes(drafter, setti
     assert torch.equal(target.generate(ids, **kw), out)
 
 
-class _Operators(TorchDispatchMode):
-    """Operators that do work, by name, outside the target's forward; float casts of vocabulary-wide tensors."""
-
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab = vocab
-        self.names: collections.Counter = collections.Counter()
-        self.vocab_casts = 0
-        self.in_target = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name not in NO_WORK and not self.in_target:
-            self.names[name] += 1
-            source = args[0] if args else None
-            if name == "_to_copy" and isinstance(source, torch.Tensor) and source.shape[-1] == self.vocab:
-                self.vocab_casts += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _round_operators(drafter: str, sampling: dict, monkeypatch) -> _Operators:
+def _round_operators(drafter: str, sampling: dict, monkeypatch) -> OperatorCount:
     """The operators of the second fused round of a bf16 call (4 rows, blocks of 4)."""
     target = make_tiny_target("llama", attn_implementation="sdpa").to(torch.bfloat16)
     draft = make_draft(drafter, target).to(torch.bfloat16)
-    ops = _Operators(target.config.vocab_size)
+    ops = OperatorCount(target.config.vocab_size)
     rounds = []
     plain = round_graph.FusedRoundRunner._round
 
@@ -131,11 +105,11 @@ def _round_operators(drafter: str, sampling: dict, monkeypatch) -> _Operators:
         forward = self.target_runner._run
 
         def target_forward():
-            ops.in_target = True
+            ops.paused = True
             try:
                 return forward()
             finally:
-                ops.in_target = False
+                ops.paused = False
 
         self.target_runner._run = target_forward
         try:
