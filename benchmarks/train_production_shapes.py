@@ -69,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--compile_draft_layers", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the draft's layer methods (the trainer's compile_draft_layers; default as "
                    "there: on CUDA without gradient checkpointing)")  # fmt: skip
+    p.add_argument("--compile_mode", default=None, choices=["default", "max-autotune-no-cudagraphs", "max-autotune"],
+                   help="torch.compile mode of the compiled draft layers (max-autotune*: inductor tunes their kernels, "
+                   "flex attention's included; longer compilation)")
     p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
     p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
     p.add_argument("--output", default=None, help="write the results as JSON here")
@@ -155,7 +158,7 @@ def main(argv=None):
     input_ids, loss_mask, context, last = synthetic_batch(cfg, seq_len, device, dtype)
     layers = contextlib.nullcontext()
     if args.compile_draft_layers:  # as the trainer does it
-        layers = compiled_draft_layers(draft)
+        layers = compiled_draft_layers(draft, mode=args.compile_mode)
 
     # the fixed batch's row bound, counted once on the host (the trainer's collator does it for every batch)
     max_rows = draft.loss_rows_bound_fn()(loss_mask.cpu()) if args.loss_rows == "host" else None
@@ -217,6 +220,7 @@ def main(argv=None):
         "loss_backend": args.loss_backend,
         "gradient_checkpointing": args.gradient_checkpointing,
         "compile_draft_layers": args.compile_draft_layers,
+        "compile_mode": args.compile_mode,
         "loss_rows_counted_on": args.loss_rows,
         "chunk_elements": args.chunk_elements,
         "shapes": {

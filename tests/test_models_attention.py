@@ -335,6 +335,21 @@ def test_compiled_draft_layers_trace_flex_attention_into_their_graph(qwen3):
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_draft_layers_pass_their_compile_mode_to_torch_compile(qwen3, monkeypatch):
+    """`compiled_draft_layers(draft, mode=...)` compiles every layer method in that torch.compile mode (e.g.
+    max-autotune-no-cudagraphs, which tunes flex attention's kernels); by default in torch's default mode."""
+    from hf_dspark.training.compiled_layers import compiled_draft_layers
+
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    draft = block_draft(DSparkModel, qwen3)
+    compiled_draft_layers(draft)
+    compiled_draft_layers(draft, mode="max-autotune-no-cudagraphs")
+    per_call = len(draft.layers) * len(draft.compiled_layer_methods)
+    assert [kw["mode"] for kw in calls] == [None] * per_call + ["max-autotune-no-cudagraphs"] * per_call
+    assert all(kw["dynamic"] is False for kw in calls)
+
+
 def test_compiled_draft_layers_share_one_graph_in_grad_mode_and_train_as_eager(qwen3):
     """In grad mode the first layer's input (frozen embeddings) does not require grad and the second's does;
     dynamo guards on that, so without `with_input_grad` the two layers compile apart. With it, one forward graph

@@ -21,7 +21,8 @@ class CompiledLayers:
     the second one is dynamic). `recompile_limit` raises dynamo's per-function limit (default 8) inside the
     block: past it dynamo silently runs the function uncompiled. Forward hooks stay outside the compiled code.
     The methods named in `input_grad_methods` get a first argument that requires grad in grad mode
-    (`with_input_grad`)."""
+    (`with_input_grad`). `mode` is torch.compile's (e.g. "max-autotune-no-cudagraphs": inductor tries kernel
+    configurations, flex attention's included, and keeps the fastest; slower to compile, cached across runs)."""
 
     def __init__(
         self,
@@ -30,9 +31,10 @@ class CompiledLayers:
         dynamic: bool | None = None,
         recompile_limit: int | None = None,
         input_grad_methods: Sequence[str] = (),
+        mode: str | None = None,
     ):
         def compiled(layer, name):
-            fn = torch.compile(getattr(layer, name), dynamic=dynamic)
+            fn = torch.compile(getattr(layer, name), dynamic=dynamic, mode=mode)
             return with_input_grad(fn) if name in input_grad_methods else fn
 
         self.pairs = [(layer, name, compiled(layer, name)) for layer in layers for name in methods]
@@ -80,14 +82,14 @@ def with_input_grad(fn):
     return call
 
 
-def compiled_draft_layers(draft: nn.Module) -> CompiledLayers:
+def compiled_draft_layers(draft: nn.Module, mode: str | None = None) -> CompiledLayers:
     """The draft's `compiled_layer_methods`, as training compiles them (`compile_draft_layers`): static shapes,
     since flex attention inside is compiled per padded length anyway and CPU inductor cannot compile it with
     symbolic lengths; a padded length per recompilation, so dynamo's limit is raised. Every decoder layer's
     input requires grad, so a stack's first layer shares the later ones' graphs (Eagle3 compiles no `forward`: its
     one layer's pieces keep their inputs as they are)."""
     return CompiledLayers(draft.layers, draft.compiled_layer_methods, dynamic=False, recompile_limit=64,
-                          input_grad_methods=("forward",))  # fmt: skip
+                          input_grad_methods=("forward",), mode=mode)  # fmt: skip
 
 
 __all__ = ["CompiledLayers", "compiled_draft_layers", "with_input_grad"]
