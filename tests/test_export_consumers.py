@@ -47,6 +47,9 @@ def drafts():
         "eagle3_llama": Eagle3Model.from_target(llama, target_layer_ids=[0, 2, 4]),
         "eagle3_llama_5": Eagle3Model.from_target(llama, target_layer_ids=[0, 1, 2, 3, 4]),
         "dspark_llama_qk": DSparkModel.from_target(llama, num_hidden_layers=1, markov_rank=8, use_qk_norm=True),
+        # An MLP wider than the target's (`--intermediate_size`).
+        "dspark_wide": DSparkModel.from_target(q, num_hidden_layers=2, markov_rank=8,
+                                               intermediate_size=2 * q.config.intermediate_size),
     }
     return {name: randomize(draft, i) for i, (name, draft) in enumerate(made.items())}
 
@@ -96,7 +99,7 @@ def test_vllm_translates_our_speculators_configs_to_the_right_model(drafts, tmp_
 # -- speculators 0.9.0: its config classes and draft models, run ----------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["eagle3_llama", "eagle3_qwen3", "dspark", "dspark_llama_qk"])
+@pytest.mark.parametrize("name", ["eagle3_llama", "eagle3_qwen3", "dspark", "dspark_llama_qk", "dspark_wide"])
 def test_speculators_builds_its_own_draft_model_with_exactly_our_tensors(drafts, tmp_path, monkeypatch, name):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the verifier id is made up; speculators then assumes a plain norm
     speculators = import_consumer("speculators", "speculators")
@@ -112,7 +115,9 @@ def test_speculators_builds_its_own_draft_model_with_exactly_our_tensors(drafts,
 # -- DeepSpec: its own from_pretrained, run -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["dspark", "dspark_rnn", "dspark_gated", "dflash", "eagle3_qwen3", "dspark_llama_qk"])
+@pytest.mark.parametrize(
+    "name", ["dspark", "dspark_rnn", "dspark_gated", "dflash", "eagle3_qwen3", "dspark_llama_qk", "dspark_wide"]
+)
 def test_deepspec_loads_our_deepspec_exports_with_every_key_in_place(drafts, tmp_path, name):
     module = "eagle3" if name.startswith("eagle3") else "dspark"
     modeling = import_consumer("deepspec", f"deepspec.modeling.{module}.qwen3.modeling")

@@ -50,6 +50,11 @@ def drafts(targets):
         # Llama targets with the q/k norm every block-draft consumer applies.
         "dspark_llama_qk": DSparkModel.from_target(llama, num_hidden_layers=1, markov_rank=8, use_qk_norm=True),
         "eagle3_llama_qk": Eagle3Model.from_target(llama, target_layer_ids=[0, 2, 4], use_qk_norm=True),
+        # An MLP wider than the target's (`--intermediate_size`): the layers' shapes come from the draft's config.
+        "dspark_wide": DSparkModel.from_target(q, num_hidden_layers=2, markov_rank=8,
+                                               intermediate_size=2 * q.config.intermediate_size),
+        "eagle3_llama_wide": Eagle3Model.from_target(llama, target_layer_ids=[0, 2, 4],
+                                                     intermediate_size=2 * llama.config.intermediate_size),
     }
     for i, draft in enumerate(made.values()):
         randomize(draft, seed=i)
@@ -99,6 +104,8 @@ def assert_same_draft(back, draft):
         ("dspark_llama_qk", "deepspec"),
         ("eagle3_llama_qk", "vllm"),
         ("eagle3_llama_qk", "speculators"),
+        *[("dspark_wide", fmt) for fmt in ("vllm", "sglang", "speculators", "deepspec")],
+        *[("eagle3_llama_wide", fmt) for fmt in ("vllm", "sglang", "speculators")],
     ],
 )
 def test_export_then_import_gives_bit_identical_draft(drafts, tmp_path, name, fmt):
