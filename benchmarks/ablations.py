@@ -63,6 +63,7 @@ VARIANTS = {
     # DSpark's loss mix (default CE 0.5, L1 0.5) against the reference implementation's and CE alone.
     "ce_0.1": ["--ce_loss_alpha", "0.1", "--l1_loss_alpha", "0.9"],
     "ce_only": ["--ce_loss_alpha", "1", "--l1_loss_alpha", "0"],
+    "soft_ce": ["--ce_loss_alpha", "0", "--soft_ce_loss_alpha", "0.5"],  # the target's distribution, not its label
     "markov_64": ["--markov_rank", "64"],
     "late_layers": ["--target_layer_ids", "8", "14", "20", "24", "28"],
     "padded_1024_random_order": ["--train_sampling_strategy", "random", "--pad_to_multiple_of", "1024"],

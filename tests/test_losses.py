@@ -37,6 +37,7 @@ def naive_block_loss(draft, out):
     l1 = (p - q).abs().sum(-1)
     w = out.eval_mask.to(p.dtype) * torch.exp(-torch.arange(cfg.block_size, dtype=p.dtype) / cfg.loss_decay_gamma)
     total = cfg.ce_loss_alpha * (w * ce).sum() + cfg.l1_loss_alpha * (w * l1).sum()
+    total = total + cfg.soft_ce_loss_alpha * (w * -(q * logp).sum(-1)).sum()
     if out.confidence_logits is not None:
         target = (1 - l1 / 2).clamp(0, 1).detach()
         bce = F.binary_cross_entropy_with_logits(out.confidence_logits, target, reduction="none")
@@ -251,6 +252,33 @@ def test_dspark_loss_and_gradients_match_naive_reference(family, markov):
     combined = cfg.ce_loss_alpha * fused.terms["loss_ce"] + cfg.l1_loss_alpha * fused.terms["loss_l1"]
     combined = combined + cfg.confidence_head_alpha * fused.terms["loss_conf"]
     torch.testing.assert_close(combined, fused.loss.detach())
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "dflash"])
+def test_block_loss_with_soft_cross_entropy_matches_naive_reference(algorithm):
+    """soft_ce_loss_alpha adds -sum_v p_t log p_d per slot, weighted as the other terms, gradients included; the
+    term is logged; a config that trains no distribution term at all is refused."""
+    target = make_tiny_target("llama").double()
+    if algorithm == "dspark":
+        draft = tiny_dspark(target, ce_loss_alpha=0.2, soft_ce_loss_alpha=0.7)
+    else:
+        draft = DFlashModel.from_target(target, num_hidden_layers=1, block_size=4, num_anchors=6,
+                                        dtype=torch.float64, ce_loss_alpha=0.0, soft_ce_loss_alpha=1.0)  # fmt: skip
+    input_ids, loss_mask = batch_for(target)
+    ctx, last = features(target, draft, input_ids)
+    out = draft(input_ids, ctx, loss_mask, target_last_hidden=last, generator=torch.Generator().manual_seed(0))
+    fused = block_draft_loss(draft, out, chunk_elements=3 * draft.config.vocab_size)
+    reference = naive_block_loss(draft, out)
+    torch.testing.assert_close(fused.loss, reference)
+    for got, want in zip(grads_of(draft, fused.loss), grads_of(draft, reference)):
+        torch.testing.assert_close(got, want)
+    assert "loss_soft_ce" in fused.terms
+    if algorithm == "dflash":  # soft CE alone
+        torch.testing.assert_close(fused.loss.detach(), draft.config.soft_ce_loss_alpha * fused.terms["loss_soft_ce"])
+    with pytest.raises(ValueError, match="soft_ce_loss_alpha are all 0"):
+        DFlashModel.from_target(target, num_hidden_layers=1, ce_loss_alpha=0.0, soft_ce_loss_alpha=0.0)
+    with pytest.raises(ValueError, match="soft_ce_loss_alpha must be >= 0"):
+        tiny_dspark(target, soft_ce_loss_alpha=-1.0)
 
 
 def test_dflash_loss_is_weighted_cross_entropy_only():

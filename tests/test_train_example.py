@@ -180,7 +180,8 @@ def test_cli_train_help_lists_the_draft_and_data_flags(capsys):
                  "--block_size", "--max_length", "--max_steps", "--learning_rate", "--target"):  # fmt: skip
         assert flag in text, flag
     assert "{dspark,dflash,eagle3}" in text  # --algorithm lists its choices
-    assert "--adam_beta1" not in text and len(text.splitlines()) < 250  # the rest is behind --help_all
+    # The rest is behind --help_all (778 lines): the short help is the draft's flags and a few Trainer ones.
+    assert "--adam_beta1" not in text and len(text.splitlines()) < 275
     with pytest.raises(SystemExit):
         main(["train", "--help_all"])
     assert "--adam_beta1" in capsys.readouterr().out

@@ -515,6 +515,10 @@ def test_draft_config_flags_reach_the_draft_and_drafters_without_the_field_refus
     assert (plain.markov_rank, plain.ce_loss_alpha, plain.l1_loss_alpha) == (256, 0.5, 0.5)
     dflash = build_draft(target, make_args(tmp_path, algorithm="dflash", l1_loss_alpha=0.5)).config
     assert (dflash.ce_loss_alpha, dflash.l1_loss_alpha) == (1.0, 0.5)
+    soft = build_draft(target, make_args(tmp_path, ce_loss_alpha=0.0, soft_ce_loss_alpha=0.5)).config
+    assert (soft.ce_loss_alpha, soft.soft_ce_loss_alpha, soft.l1_loss_alpha) == (0.0, 0.5, 0.5)
+    with pytest.raises(ValueError, match="soft_ce_loss_alpha does not apply to eagle3"):
+        build_draft(target, make_args(tmp_path, algorithm="eagle3", num_anchors=None, soft_ce_loss_alpha=0.5))
     with pytest.raises(ValueError, match="ce_loss_alpha does not apply to eagle3"):
         build_draft(target, make_args(tmp_path, algorithm="eagle3", num_anchors=None, ce_loss_alpha=0.5))
     with pytest.raises(ValueError, match="DFlash drafts have no Markov head"):

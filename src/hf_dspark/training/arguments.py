@@ -73,6 +73,10 @@ class DraftTrainingArguments(TrainingArguments):
                   "0.5, DFlash 0). CE drives the argmax (greedy acceptance), L1 the overlap min(p_d, p_t) that "
                   "sampled acceptance counts."},
     )  # fmt: skip
+    soft_ce_loss_alpha: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the soft cross-entropy against the target distribution (default 0)."},
+    )
     use_qk_norm: bool | None = field(
         default=None,
         metadata={

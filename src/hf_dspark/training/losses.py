@@ -4,7 +4,8 @@ Block drafters (DSpark, DFlash), per valid slot k of a block, w_k = exp(-(k-1)/l
     CE  = -log p_d(x*_k)                  p_d = softmax(softcap(lm_head(h_k) + W2 z_k))  (teacher forced)
     L1  = sum_v |p_d(v) - p_t(v)|         p_t = softmax(softcap(lm_head(target_hidden_k)))
     BCE = BCE(c_k, c*_k),  c*_k = clamp(1 - L1/2, 0, 1), detached
-    L   = ce_loss_alpha * CE + l1_loss_alpha * L1 + confidence_head_alpha * BCE
+    SCE = -sum_v p_t(v) log p_d(v)       (optional, soft_ce_loss_alpha; 0 by default)
+    L   = ce_loss_alpha * CE + l1_loss_alpha * L1 + soft_ce_loss_alpha * SCE + confidence_head_alpha * BCE
 Eagle3, TTT step j (0-based), weight step_loss_decay ** j, masked by the step's eval_mask:
     SCE = -sum_v p_t(v) log p_d(v)        against the target distribution of that step
 Each term is  sum(w * term over valid slots) / sum(w over valid slots),  numerators and denominators summed
@@ -498,11 +499,13 @@ def block_draft_loss(
     row_w = (weight * world).reshape(-1)
 
     target_hidden = outputs.target_hidden_states
-    needs_target = cfg.l1_loss_alpha > 0 or (cfg.confidence_head_alpha > 0 and outputs.confidence_logits is not None)
+    soft = getattr(cfg, "soft_ce_loss_alpha", 0.0)
+    needs_target = (cfg.l1_loss_alpha > 0 or soft > 0
+                    or (cfg.confidence_head_alpha > 0 and outputs.confidence_logits is not None))  # fmt: skip
     if target_hidden is None and needs_target:
         raise ValueError(
-            "the L1 and confidence terms need the target's final hidden states: pass target_last_hidden to the "
-            "draft's forward (a target cache stores them; online training computes them)"
+            "the L1, soft cross-entropy and confidence terms need the target's final hidden states: pass "
+            "target_last_hidden to the draft's forward (a target cache stores them; online training computes them)"
         )
     markov = outputs.markov_features
     loss, stats = fused_head_loss(
@@ -514,6 +517,7 @@ def block_draft_loss(
         markov_features=None if markov is None else markov.reshape(-1, markov.shape[-1]),
         markov_weight=None if markov is None else draft.markov_head.markov_w2.weight,
         l1_weight=cfg.l1_loss_alpha * row_w if cfg.l1_loss_alpha > 0 else None,
+        soft_ce_weight=soft * row_w if soft > 0 else None,
         softcap=cfg.final_logit_softcapping,
         chunk_elements=chunk_elements,
         compile=compile,
@@ -523,6 +527,8 @@ def block_draft_loss(
     )
     shape = weight.shape
     terms = {"loss_ce": (weight * stats.ce.view(shape)).sum()}
+    if stats.soft_ce is not None:
+        terms["loss_soft_ce"] = (weight * stats.soft_ce.view(shape)).sum()
     estimates = {"supervised_tokens": mask.sum()}
     blocks = {}
     if stats.l1 is not None:

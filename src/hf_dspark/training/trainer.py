@@ -60,6 +60,7 @@ DRAFT_FIELDS = {
     "markov_rank": "only DSpark drafts have a Markov head",
     "ce_loss_alpha": "Eagle3 trains on the soft cross-entropy against the target distribution",
     "l1_loss_alpha": "Eagle3 trains on the soft cross-entropy against the target distribution",
+    "soft_ce_loss_alpha": "Eagle3 trains on the soft cross-entropy alone",
 }
 
 

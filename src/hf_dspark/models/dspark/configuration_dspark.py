@@ -25,6 +25,9 @@ class DSparkConfig(DraftConfig):
         ce_loss_alpha, l1_loss_alpha, confidence_head_alpha (`float`): loss weights (0.5, 0.5, 1.0). The paper's
             reference mix is (0.1, 0.9, 1.0); at equal training time on SmolLM2 the even mix decoded a higher τ
             (benchmarks/results/dspark_loss_mix_smollm2_8min.json).
+        soft_ce_loss_alpha (`float`, defaults to 0): weight of the soft cross-entropy against the target's
+            distribution, -sum_v p_t(v) log p_d(v) (Eagle3's objective): the expectation of CE over the target's
+            own samples, without the sampling noise of one label.
         loss_decay_gamma (`float`, defaults to 4.0): slot weights w_k = exp(-(k-1)/loss_decay_gamma).
     """
 
@@ -41,6 +44,7 @@ class DSparkConfig(DraftConfig):
     ce_loss_alpha: float = 0.5
     l1_loss_alpha: float = 0.5
     confidence_head_alpha: float = 1.0
+    soft_ce_loss_alpha: float = 0.0
     loss_decay_gamma: float = 4.0
 
     @property
@@ -84,11 +88,15 @@ class DSparkConfig(DraftConfig):
                 "confidence_head_with_markov=True needs a Markov head (markov_rank > 0); set "
                 "confidence_head_with_markov=False to condition the confidence head on the hidden state only"
             )
-        for name in ("ce_loss_alpha", "l1_loss_alpha", "confidence_head_alpha", "loss_decay_gamma"):
+        names = ("ce_loss_alpha", "l1_loss_alpha", "soft_ce_loss_alpha", "confidence_head_alpha", "loss_decay_gamma")
+        for name in names:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.ce_loss_alpha + self.l1_loss_alpha == 0:
-            raise ValueError("ce_loss_alpha and l1_loss_alpha are both 0: the draft distribution would not be trained")
+        if self.ce_loss_alpha + self.l1_loss_alpha + self.soft_ce_loss_alpha == 0:
+            raise ValueError(
+                "ce_loss_alpha, l1_loss_alpha and soft_ce_loss_alpha are all 0: the draft distribution would not be "
+                "trained"
+            )
         if self.confidence_head_alpha > 0 and not self.enable_confidence_head:
             raise ValueError(
                 f"confidence_head_alpha={self.confidence_head_alpha} but enable_confidence_head=False: "
