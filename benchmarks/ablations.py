@@ -75,12 +75,25 @@ VARIANTS = {
 }
 
 
+def variant_name(name: str) -> str:
+    """A variant, or variants joined by '+' (their flags together), each known."""
+    unknown = [part for part in name.split("+") if part not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown} in {name!r}; known: {', '.join(VARIANTS)}")
+    return name
+
+
+def variant_flags(name: str) -> list[str]:
+    return [flag for part in name.split("+") for flag in VARIANTS[part]]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None, help="target model folder (default: the embedded SmolLM2)")
     p.add_argument("--data", nargs="+", default=None, help="conversations (files or a quoted glob)")
     p.add_argument("--output_dir", required=True)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name, metavar="NAME[+NAME]",
+                   help=f"runs, each a variant or several joined by '+' (e.g. mlp_2x+soft_ce); from {list(VARIANTS)}")
     p.add_argument("--data_variant", action="append", default=[], metavar="NAME=FILES",
                    help="a variant trained on other data (comma-separated files or quoted globs), the recipe "
                    "unchanged; repeatable")  # fmt: skip
@@ -228,7 +241,7 @@ def main(argv=None) -> dict:
             raise SystemExit("--smoke still needs --data (a conversations file the target's tokenizer can render)")
     if args.data is None:
         raise SystemExit("--data is required: the target's own answers (JSONL(.gz) conversations)")
-    flags_of = {name: VARIANTS[name] for name in args.variants} | data_variants(args.data_variant)
+    flags_of = {name: variant_flags(name) for name in args.variants} | data_variants(args.data_variant)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     pending = list(flags_of)

@@ -221,6 +221,17 @@ def test_resume_true_means_the_newest_checkpoint_and_fails_clearly_without_one(t
         resolve_resume_checkpoint("latest", tmp_path)
 
 
+def test_ablations_variants_combine_with_plus_and_unknown_names_are_refused(capsys):
+    ablations = load_script("benchmarks/ablations.py")
+    args = ablations.parse_args(["--output_dir", "x", "--variants", "baseline", "mlp_2x+soft_ce"])
+    assert args.variants == ["baseline", "mlp_2x+soft_ce"]
+    assert ablations.variant_flags("mlp_2x+soft_ce") == ablations.VARIANTS["mlp_2x"] + ablations.VARIANTS["soft_ce"]
+    assert ablations.variant_flags("baseline") == []
+    with pytest.raises(SystemExit):
+        ablations.parse_args(["--output_dir", "x", "--variants", "mlp_2x+wide"])
+    assert "unknown variant(s) ['wide']" in capsys.readouterr().err
+
+
 def test_ablations_step_rate_leaves_out_evaluations_and_compilation(tmp_path):
     """The reported seconds a step come from the intervals between training logs, each started after its step's
     evaluation; the first log's time (compilation included) is reported apart."""
