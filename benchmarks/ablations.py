@@ -163,7 +163,7 @@ def run_command(args, name: str, flags: list[str]) -> list[str]:
     cmd = [sys.executable, str(EXAMPLE), "--train_file", *args.data, "--output_dir", str(out), *schedule,
            "--max_train_minutes", str(args.minutes), "--save_strategy", "no",
            "--eval_strategy", "steps", "--eval_steps", str(args.eval_steps), "--eval_rows", str(args.eval_rows),
-           "--per_device_eval_batch_size", "16", "--logging_steps", str(args.eval_steps), "--report_to", "none",
+           "--logging_steps", str(args.eval_steps), "--report_to", "none",
            "--disable_tqdm", "True", "--seed", str(args.seed)]  # fmt: skip
     if args.target:
         cmd += ["--target_model", args.target]

@@ -547,6 +547,15 @@ def test_intermediate_size_widens_the_draft_mlp_of_every_drafter(tmp_path, algor
         build_draft(target, make_args(tmp_path, intermediate_size=0, **kw))
 
 
+def test_evaluation_batch_follows_the_training_batch_unless_given(tmp_path):
+    """The held-out forward reuses the training step's compiled graphs only at the same batch shape."""
+    out = str(tmp_path)
+    assert DraftTrainingArguments(output_dir=out, per_device_train_batch_size=12).per_device_eval_batch_size == 12
+    assert DraftTrainingArguments(output_dir=out).per_device_eval_batch_size == 16
+    given = DraftTrainingArguments(output_dir=out, per_device_train_batch_size=12, per_device_eval_batch_size=4)
+    assert given.per_device_eval_batch_size == 4
+
+
 def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
     """Where CUDA is visible the loss, the online target's layers and the draft's layers are compiled unless the
     user says otherwise; the draft's layers not by default where the trainer would ignore them (no warning then)."""

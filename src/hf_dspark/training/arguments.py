@@ -22,6 +22,11 @@ class DraftTrainingArguments(TrainingArguments):
         default=0.04, metadata={"help": "Warm-up steps (a value below 1 is a fraction of the training steps)."}
     )
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Conversations per device and step."})
+    per_device_eval_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Held-out conversations per device and step (default: the training batch, whose compiled "
+                  "graphs the evaluation then reuses)."},
+    )  # fmt: skip
     train_sampling_strategy: str = field(
         default="group_by_length",
         metadata={"help": "Batches of similar lengths (little padding: ~2x fewer tokens per step on chat data)."},
@@ -167,6 +172,8 @@ class DraftTrainingArguments(TrainingArguments):
         if self.compile_draft_layers is None:
             blocker = draft_layer_compile_blocker(self.gradient_checkpointing, bool(self.deepspeed), bool(self.fsdp))
             self.compile_draft_layers = on_cuda and blocker is None
+        if self.per_device_eval_batch_size is None:  # another batch shape would compile every kernel again
+            self.per_device_eval_batch_size = self.per_device_train_batch_size
         copy_async = _non_blocking_unset(self.accelerator_config)
         if self.ddp_find_unused_parameters is None:
             # The objectives give every trainable parameter a gradient: skip DDP's extra graph traversal.
