@@ -412,6 +412,7 @@ def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path, extr
     out = tmp_path / "result.json"
     result = bench.main(["--device", "cpu", "--smoke", "--steps", "2", "--warmup", "1", "--output", str(out), *extra])
     assert json.loads(out.read_text())["step_ms_median"] == result["step_ms_median"] > 0
+    assert result["step_ms_pipelined"] > 0
     assert result["compile_draft_layers"] == bool(extra)
     assert result["supervised_block_tokens_per_step"] > 0 and math.isfinite(result["final_loss"])
 
