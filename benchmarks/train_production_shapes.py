@@ -181,38 +181,31 @@ def main(argv=None):
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times, tokens, losses = [], [], []
-    for i in range(args.warmup, args.warmup + args.steps):
+    def timed(steps: range) -> tuple[list, float]:
+        """Run these steps back to back: (their outputs, milliseconds from the first launch to the last one's end;
+        CUDA events on a GPU, so waiting happens only after the last step)."""
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            n, loss = step(i)
+            outputs = [step(i) for i in steps]
             end.record()
-            torch.cuda.synchronize(device)  # timing only: between steps, never inside one
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            n, loss = step(i)
-            times.append((time.perf_counter() - t0) * 1000)
+            torch.cuda.synchronize(device)
+            return outputs, start.elapsed_time(end)
+        t0 = time.perf_counter()
+        outputs = [step(i) for i in steps]
+        return outputs, (time.perf_counter() - t0) * 1000
+
+    times, tokens, losses = [], [], []
+    for i in range(args.warmup, args.warmup + args.steps):
+        [(n, loss)], ms = timed(range(i, i + 1))  # a wait after every step: timing only, never inside one
+        times.append(ms)
         tokens.append(n)
         losses.append(loss)
     step_ms = statistics.median(times)
     # The same number of steps back to back, one wait at the end: as training runs them, the host may queue the next
     # step's kernels while the GPU finishes this one (the median above waits after every step).
     first = args.warmup + args.steps
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(first, first + args.steps):
-            step(i)
-        end.record()
-        torch.cuda.synchronize(device)
-        pipelined_ms = start.elapsed_time(end) / args.steps
-    else:
-        t0 = time.perf_counter()
-        for i in range(first, first + args.steps):
-            step(i)
-        pipelined_ms = (time.perf_counter() - t0) * 1000 / args.steps
+    pipelined_ms = timed(range(first, first + args.steps))[1] / args.steps
     first += args.steps
     if args.profile:
         profile_steps(step, first, args.profile, cuda)

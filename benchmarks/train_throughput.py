@@ -224,7 +224,6 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         compile_draft_layers=compile_draft_layers,
         accelerator_config={"non_blocking": batch_copy == "async"},
         intermediate_size=intermediate_size,
-        per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         learning_rate=args.learning_rate,
         lr_scheduler_type=args.lr_scheduler_type,
