@@ -378,6 +378,50 @@ def test_fitted_lr_factor_warms_up_then_decays_to_zero_at_the_planned_total():
     assert fitted_lr_factor("constant_with_warmup", 90, 100, 10) == 1.0
 
 
+@pytest.mark.parametrize("kwargs", [{"min_lr_rate": 0.1}, {"min_lr": 2e-4}])
+def test_fitted_cosine_with_min_lr_is_transformers_schedule_of_that_name(kwargs):
+    """At a fixed total, the fitted cosine_with_min_lr takes the values of transformers' own schedule, step by step,
+    from either way of giving its floor (the peak rate here is 2e-3, so both floors are a tenth of it)."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    from hf_dspark.training.trainer import fitted_lr_factor, min_lr_rate
+
+    peak, total, warmup = 2e-3, 50, 5
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    reference = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total, **kwargs)
+    floor = min_lr_rate("cosine_with_min_lr", kwargs, peak)
+    assert floor == pytest.approx(0.1)
+    for step in range(total + 1):
+        expected = reference.lr_lambdas[0](step)
+        assert fitted_lr_factor("cosine_with_min_lr", step, total, warmup, floor) == pytest.approx(expected), step
+    assert fitted_lr_factor("cosine_with_min_lr", total + 40, total, warmup, floor) == pytest.approx(0.1)
+    assert min_lr_rate("cosine", kwargs, peak) == 0.0  # other schedules keep decaying to zero
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [(None, "exactly one of min_lr / min_lr_rate"), ({"min_lr": 1e-4, "min_lr_rate": 0.1}, "exactly one"),
+     ({"min_lr_rate": 1.5}, "between 0 and the peak rate")],
+)  # fmt: skip
+def test_cosine_with_min_lr_without_a_valid_floor_is_refused(kwargs, match):
+    from hf_dspark.training.trainer import min_lr_rate
+
+    with pytest.raises(ValueError, match=match):
+        min_lr_rate("cosine_with_min_lr", kwargs, 2e-3)
+
+
+def test_time_budget_with_cosine_with_min_lr_ends_at_its_floor(tmp_path):
+    """The floor reaches a fitted run the way a user passes it on the command line (a JSON string)."""
+    target = make_tiny_target("llama")
+    args = make_args(tmp_path, max_steps=100_000, max_train_minutes=0.05, warmup_steps=0.1,
+                     lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs='{"min_lr_rate": 0.5}')  # fmt: skip
+    trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+    trainer.train()
+    rates = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert max(rates) > 0.75 * args.learning_rate  # warmed up past the floor (logged steps miss the exact peak)
+    assert min(rates[len(rates) // 2 :]) >= 0.5 * args.learning_rate * (1 - 1e-6), rates
+
+
 def test_time_budget_fits_the_schedule_so_it_ends_annealed(tmp_path):
     """A budget with a far larger max_steps: the planned schedule, not max_steps, sets the decay, so the run ends
     with its learning rate near zero instead of being cut at the peak."""

@@ -245,10 +245,11 @@ class DraftTrainer(Trainer):
                     f"got {kind!r}: use one of them, or --fit_schedule_to_budget false with --max_steps"
                 )
             deadline, args = self.deadline, self.args
+            floor = min_lr_rate(kind, args.lr_scheduler_kwargs, args.learning_rate)
 
             def factor(step: int) -> float:
                 total = deadline.schedule_steps(num_training_steps)
-                return fitted_lr_factor(kind, step, total, args.get_warmup_steps(total))
+                return fitted_lr_factor(kind, step, total, args.get_warmup_steps(total), floor)
 
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
             self._created_lr_scheduler = True
@@ -580,17 +581,36 @@ def _row_lengths(dataset) -> list[int] | None:
     return None
 
 
-FITTED_SCHEDULES = ("cosine", "linear", "constant", "constant_with_warmup")
+FITTED_SCHEDULES = ("cosine", "cosine_with_min_lr", "linear", "constant", "constant_with_warmup")
 
 
-def fitted_lr_factor(kind: str, step: int, total: int, warmup: int) -> float:
-    """Learning-rate multiplier at `step` of a `total`-step schedule: linear warm-up, then `kind`."""
+def min_lr_rate(kind: str, scheduler_kwargs: dict | None, learning_rate: float) -> float:
+    """The floor of a fitted schedule as a fraction of the peak rate: 0, or for cosine_with_min_lr transformers'
+    `lr_scheduler_kwargs` (`min_lr_rate`, or `min_lr` in absolute terms; exactly one of them, as transformers asks)."""
+    kwargs = dict(scheduler_kwargs or {})
+    if kind != "cosine_with_min_lr":
+        return 0.0
+    if ("min_lr" in kwargs) == ("min_lr_rate" in kwargs):
+        raise ValueError(
+            "lr_scheduler_type cosine_with_min_lr needs exactly one of min_lr / min_lr_rate in lr_scheduler_kwargs, "
+            f"got {kwargs}: e.g. --lr_scheduler_kwargs '{{\"min_lr_rate\": 0.1}}'"
+        )
+    rate = kwargs["min_lr_rate"] if "min_lr_rate" in kwargs else kwargs["min_lr"] / learning_rate
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"the minimum learning rate must lie between 0 and the peak rate, got {rate} of it")
+    return float(rate)
+
+
+def fitted_lr_factor(kind: str, step: int, total: int, warmup: int, floor: float = 0.0) -> float:
+    """Learning-rate multiplier at `step` of a `total`-step schedule: linear warm-up, then `kind`, decaying to
+    `floor` (a fraction of the peak; cosine_with_min_lr's, as transformers' schedule of that name)."""
     if step < warmup:
         return step / max(1, warmup)
     if kind.startswith("constant"):
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+    decayed = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind.startswith("cosine") else 1.0 - progress
+    return floor + (1.0 - floor) * decayed
 
 
 class TrainingDeadline(TrainerCallback):
