@@ -587,9 +587,9 @@ FITTED_SCHEDULES = ("cosine", "cosine_with_min_lr", "linear", "constant", "const
 def min_lr_rate(kind: str, scheduler_kwargs: dict | None, learning_rate: float) -> float:
     """The floor of a fitted schedule as a fraction of the peak rate: 0, or for cosine_with_min_lr transformers'
     `lr_scheduler_kwargs` (`min_lr_rate`, or `min_lr` in absolute terms; exactly one of them, as transformers asks)."""
-    kwargs = dict(scheduler_kwargs or {})
     if kind != "cosine_with_min_lr":
         return 0.0
+    kwargs = dict(scheduler_kwargs or {})
     if ("min_lr" in kwargs) == ("min_lr_rate" in kwargs):
         raise ValueError(
             "lr_scheduler_type cosine_with_min_lr needs exactly one of min_lr / min_lr_rate in lr_scheduler_kwargs, "
