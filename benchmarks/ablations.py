@@ -63,9 +63,13 @@ VARIANTS = {
     "loops_2": ["--max_loop_repeats", "2"],
     "sequence_normalization": ["--loss_normalization", "sequence"],
     # DSpark's loss mix (default CE 0.5, L1 0.5) against the reference implementation's and CE alone.
-    "ce_0.1": ["--ce_loss_alpha", "0.1", "--l1_loss_alpha", "0.9"],
-    "ce_only": ["--ce_loss_alpha", "1", "--l1_loss_alpha", "0"],
-    "soft_ce": ["--ce_loss_alpha", "0", "--soft_ce_loss_alpha", "0.5"],  # the target's distribution, not its label
+    # DSpark's loss mix. The default (since 2026-12-05) is the soft CE against the target's distribution with L1;
+    # `soft_ce` names it explicitly (the run that made it the default used that name), the others replace it.
+    "label_ce": ["--ce_loss_alpha", "0.5", "--soft_ce_loss_alpha", "0"],  # the default before: one sampled label
+    "ce_0.1": ["--ce_loss_alpha", "0.1", "--l1_loss_alpha", "0.9", "--soft_ce_loss_alpha", "0"],
+    "ce_only": ["--ce_loss_alpha", "1", "--l1_loss_alpha", "0", "--soft_ce_loss_alpha", "0"],
+    "soft_ce": ["--ce_loss_alpha", "0", "--soft_ce_loss_alpha", "0.5"],
+    "l1_1.0": ["--l1_loss_alpha", "1.0"],  # twice the weight on L1 (twice the TV distance: T = 1 acceptance itself)
     "markov_64": ["--markov_rank", "64"],
     "late_layers": ["--target_layer_ids", "8", "14", "20", "24", "28"],
     "padded_1024_random_order": ["--train_sampling_strategy", "random", "--pad_to_multiple_of", "1024"],

@@ -97,6 +97,7 @@ def build(args):
         tie_word_embeddings=False,
         ce_loss_alpha=0.1,  # the reference implementation's mix, which the comparison runs
         l1_loss_alpha=0.9,
+        soft_ce_loss_alpha=0.0,
     )
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)

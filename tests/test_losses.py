@@ -247,9 +247,11 @@ def test_dspark_loss_and_gradients_match_naive_reference(family, markov):
     torch.testing.assert_close(fused.loss, reference)
     for got, want in zip(grads_of(draft, fused.loss), grads_of(draft, reference)):
         torch.testing.assert_close(got, want)
-    assert set(fused.terms) == {"loss_ce", "loss_l1", "loss_conf"}
+    # The default mix trains on the soft CE; the label's CE is still logged (a metric at weight 0).
+    assert set(fused.terms) == {"loss_ce", "loss_l1", "loss_soft_ce", "loss_conf"}
     cfg = draft.config
     combined = cfg.ce_loss_alpha * fused.terms["loss_ce"] + cfg.l1_loss_alpha * fused.terms["loss_l1"]
+    combined = combined + cfg.soft_ce_loss_alpha * fused.terms["loss_soft_ce"]
     combined = combined + cfg.confidence_head_alpha * fused.terms["loss_conf"]
     torch.testing.assert_close(combined, fused.loss.detach())
 

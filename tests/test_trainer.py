@@ -139,7 +139,7 @@ def test_logs_report_tau_estimates_and_each_loss_term(tmp_path):
     trainer.train()
     train_logs = [h for h in trainer.state.log_history if "loss" in h]
     eval_logs = [h for h in trainer.state.log_history if "eval_loss" in h]
-    expected = {"loss_ce", "loss_l1", "loss_conf", "tau_prob", "tau_greedy", "accept@1", "accept@4"}
+    expected = {"loss_ce", "loss_l1", "loss_soft_ce", "loss_conf", "tau_prob", "tau_greedy", "accept@1", "accept@4"}
     assert expected <= set(train_logs[0])
     assert {"eval_" + k for k in expected} <= set(eval_logs[0])
     for log in train_logs:
@@ -147,7 +147,7 @@ def test_logs_report_tau_estimates_and_each_loss_term(tmp_path):
         assert 0.0 <= log["accept@1"] <= 1.0
         alphas = trainer.model.config
         combined = alphas.ce_loss_alpha * log["loss_ce"] + alphas.l1_loss_alpha * log["loss_l1"]
-        combined += alphas.confidence_head_alpha * log["loss_conf"]
+        combined += alphas.soft_ce_loss_alpha * log["loss_soft_ce"] + alphas.confidence_head_alpha * log["loss_conf"]
         assert math.isclose(combined, log["loss"], rel_tol=1e-5)
     # Evaluation anchors depend on the batch only: evaluating twice gives the same numbers.
     first, second = trainer.evaluate(), trainer.evaluate()
@@ -556,11 +556,12 @@ def test_draft_config_flags_reach_the_draft_and_drafters_without_the_field_refus
     assert (draft.config.markov_rank, draft.config.ce_loss_alpha, draft.config.l1_loss_alpha) == (16, 0.2, 0.8)
     assert draft.markov_head.markov_w1.weight.shape[1] == 16  # the head is built at that rank
     plain = build_draft(target, make_args(tmp_path)).config
-    assert (plain.markov_rank, plain.ce_loss_alpha, plain.l1_loss_alpha) == (256, 0.5, 0.5)
+    # DSpark learns from the target's distribution (soft CE + L1), DFlash from the label (CE alone).
+    assert (plain.markov_rank, plain.ce_loss_alpha, plain.l1_loss_alpha, plain.soft_ce_loss_alpha) == (256, 0, 0.5, 0.5)
     dflash = build_draft(target, make_args(tmp_path, algorithm="dflash", l1_loss_alpha=0.5)).config
-    assert (dflash.ce_loss_alpha, dflash.l1_loss_alpha) == (1.0, 0.5)
-    soft = build_draft(target, make_args(tmp_path, ce_loss_alpha=0.0, soft_ce_loss_alpha=0.5)).config
-    assert (soft.ce_loss_alpha, soft.soft_ce_loss_alpha, soft.l1_loss_alpha) == (0.0, 0.5, 0.5)
+    assert (dflash.ce_loss_alpha, dflash.l1_loss_alpha, dflash.soft_ce_loss_alpha) == (1.0, 0.5, 0.0)
+    label = build_draft(target, make_args(tmp_path, ce_loss_alpha=0.5, soft_ce_loss_alpha=0.0)).config
+    assert (label.ce_loss_alpha, label.soft_ce_loss_alpha, label.l1_loss_alpha) == (0.5, 0.0, 0.5)
     with pytest.raises(ValueError, match="soft_ce_loss_alpha does not apply to eagle3"):
         build_draft(target, make_args(tmp_path, algorithm="eagle3", num_anchors=None, soft_ce_loss_alpha=0.5))
     with pytest.raises(ValueError, match="ce_loss_alpha does not apply to eagle3"):
@@ -568,7 +569,7 @@ def test_draft_config_flags_reach_the_draft_and_drafters_without_the_field_refus
     with pytest.raises(ValueError, match="DFlash drafts have no Markov head"):
         build_draft(target, make_args(tmp_path, algorithm="dflash", markov_rank=8))
     # CE alone still trains the confidence head: its targets come from the L1 distance, computed either way.
-    trainer = DraftTrainer(args=make_args(tmp_path, ce_loss_alpha=1.0, l1_loss_alpha=0.0),
+    trainer = DraftTrainer(args=make_args(tmp_path, ce_loss_alpha=1.0, l1_loss_alpha=0.0, soft_ce_loss_alpha=0.0),
                            train_dataset=tokenized_rows(), target_model=target)  # fmt: skip
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h]

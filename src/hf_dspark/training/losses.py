@@ -4,7 +4,7 @@ Block drafters (DSpark, DFlash), per valid slot k of a block, w_k = exp(-(k-1)/l
     CE  = -log p_d(x*_k)                  p_d = softmax(softcap(lm_head(h_k) + W2 z_k))  (teacher forced)
     L1  = sum_v |p_d(v) - p_t(v)|         p_t = softmax(softcap(lm_head(target_hidden_k)))
     BCE = BCE(c_k, c*_k),  c*_k = clamp(1 - L1/2, 0, 1), detached
-    SCE = -sum_v p_t(v) log p_d(v)       (optional, soft_ce_loss_alpha; 0 by default)
+    SCE = -sum_v p_t(v) log p_d(v)       (soft_ce_loss_alpha: DSpark's default term with L1, in place of CE)
     L   = ce_loss_alpha * CE + l1_loss_alpha * L1 + soft_ce_loss_alpha * SCE + confidence_head_alpha * BCE
 Eagle3, TTT step j (0-based), weight step_loss_decay ** j, masked by the step's eval_mask:
     SCE = -sum_v p_t(v) log p_d(v)        against the target distribution of that step

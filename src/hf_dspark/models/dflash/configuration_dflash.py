@@ -19,6 +19,7 @@ class DFlashConfig(DSparkConfig):
     confidence_head_with_markov: bool = False
     ce_loss_alpha: float = 1.0
     l1_loss_alpha: float = 0.0
+    soft_ce_loss_alpha: float = 0.0
     confidence_head_alpha: float = 0.0
 
     def card_rows(self) -> list[tuple[str, str]]:

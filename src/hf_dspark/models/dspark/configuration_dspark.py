@@ -22,12 +22,14 @@ class DSparkConfig(DraftConfig):
         enable_confidence_head (`bool`, defaults to True): predict c_k = P(slot k accepted | slots < k accepted).
         confidence_head_with_markov (`bool`, defaults to True): feed W1[x_{k-1}] to the confidence head too.
         confidence_temperatures (`list[float]`, *optional*): per-slot STS temperatures applied to confidence logits.
-        ce_loss_alpha, l1_loss_alpha, confidence_head_alpha (`float`): loss weights (0.5, 0.5, 1.0). The paper's
-            reference mix is (0.1, 0.9, 1.0); at equal training time on SmolLM2 the even mix decoded a higher τ
+        ce_loss_alpha, l1_loss_alpha, soft_ce_loss_alpha, confidence_head_alpha (`float`): loss weights (0, 0.5,
+            0.5, 1.0): the cross-entropy against the label, the L1 distance to the target's distribution, the soft
+            cross-entropy against that distribution, -sum_v p_t(v) log p_d(v) (Eagle3's objective: the expectation
+            of CE over the target's own samples, without the sampling noise of one label), and the confidence BCE.
+            At equal training time on SmolLM2 the soft CE in place of the label's decoded a higher τ at T = 0 and
+            T = 1 (benchmarks/results/dspark_smollm2_15min_soft_ce.json against _15min_t1_answers.json); the label
+            mix before it, (0.5, 0.5, 0), beat the paper's reference mix (0.1, 0.9, 0)
             (benchmarks/results/dspark_loss_mix_smollm2_8min.json).
-        soft_ce_loss_alpha (`float`, defaults to 0): weight of the soft cross-entropy against the target's
-            distribution, -sum_v p_t(v) log p_d(v) (Eagle3's objective): the expectation of CE over the target's
-            own samples, without the sampling noise of one label.
         loss_decay_gamma (`float`, defaults to 4.0): slot weights w_k = exp(-(k-1)/loss_decay_gamma).
     """
 
@@ -41,10 +43,10 @@ class DSparkConfig(DraftConfig):
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     confidence_temperatures: list[float] | None = None
-    ce_loss_alpha: float = 0.5
+    ce_loss_alpha: float = 0.0
     l1_loss_alpha: float = 0.5
     confidence_head_alpha: float = 1.0
-    soft_ce_loss_alpha: float = 0.0
+    soft_ce_loss_alpha: float = 0.5
     loss_decay_gamma: float = 4.0
 
     @property
