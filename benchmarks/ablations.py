@@ -62,7 +62,6 @@ VARIANTS = {
     "anchors_1024": ["--num_anchors", "1024"],
     "loops_2": ["--max_loop_repeats", "2"],
     "sequence_normalization": ["--loss_normalization", "sequence"],
-    # DSpark's loss mix (default CE 0.5, L1 0.5) against the reference implementation's and CE alone.
     # DSpark's loss mix. The default (since 2026-12-05) is the soft CE against the target's distribution with L1;
     # `soft_ce` names it explicitly (the run that made it the default used that name), the others replace it.
     "label_ce": ["--ce_loss_alpha", "0.5", "--soft_ce_loss_alpha", "0"],  # the default before: one sampled label
