@@ -9,7 +9,7 @@ from conftest import make_tiny_target
 from fake_hub import card_metadata_errors
 from huggingface_hub import ModelCard
 
-from hf_dspark import DSparkModel, Eagle3Model
+from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
 from hf_dspark.cli import main as cli_main
 from hf_dspark.hub import export_draft, generate_model_card
 
@@ -106,8 +106,14 @@ def test_card_shows_usage_and_serving_for_exportable_formats(tmp_path):
     assert "- deepspec: " in not_exportable and "q_norm/k_norm" in not_exportable
 
 
-def test_card_records_training_settings(draft_dir):
+def test_card_records_training_settings(draft_dir, qwen3, tmp_path):
     from transformers import TrainingArguments
+
+    # The loss the draft was configured to train with: its terms above weight 0 (DSpark's default, a DFlash's).
+    text = generate_model_card(draft_dir)
+    assert "| training loss | 0.5 soft CE against the target + 0.5 L1 to the target + 1 confidence BCE |" in text
+    DFlashModel.from_target(qwen3, num_hidden_layers=1).save_pretrained(tmp_path / "dflash")
+    assert "| training loss | 1 label CE |" in generate_model_card(tmp_path / "dflash")
 
     args = TrainingArguments(output_dir=str(draft_dir / "run"), learning_rate=6e-4, max_steps=100, seed=3, report_to=[])
     text = generate_model_card(draft_dir, training_args=args)

@@ -23,7 +23,7 @@ class DFlashConfig(DSparkConfig):
     confidence_head_alpha: float = 0.0
 
     def card_rows(self) -> list[tuple[str, str]]:
-        return [("mask token id", str(self.mask_token_id))]
+        return [("mask token id", str(self.mask_token_id)), self.loss_card_row()]
 
     def check_draft_fields(self) -> None:
         if self.markov_rank != 0 or self.markov_head_type is not None or self.enable_confidence_head:

@@ -63,7 +63,14 @@ class DSparkConfig(DraftConfig):
         if self.enable_confidence_head:
             confidence = "on" + (" (with Markov features)" if self.confidence_head_with_markov else "")
             confidence += ", STS-calibrated" if self.confidence_temperatures else ", not calibrated"
-        return [("Markov head", markov), ("confidence head", confidence), ("mask token id", str(self.mask_token_id))]
+        return [("Markov head", markov), ("confidence head", confidence), ("mask token id", str(self.mask_token_id)),
+                self.loss_card_row()]
+
+    def loss_card_row(self) -> tuple[str, str]:
+        """The training loss's terms with their weights (those above 0), for the model card."""
+        terms = [("label CE", self.ce_loss_alpha), ("soft CE against the target", self.soft_ce_loss_alpha),
+                 ("L1 to the target", self.l1_loss_alpha), ("confidence BCE", self.confidence_head_alpha)]  # fmt: skip
+        return "training loss", " + ".join(f"{weight:g} {name}" for name, weight in terms if weight > 0)
 
     def check_draft_fields(self) -> None:
         super().check_draft_fields()
