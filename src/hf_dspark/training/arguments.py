@@ -69,8 +69,8 @@ class DraftTrainingArguments(TrainingArguments):
     )
     ce_loss_alpha: float | None = field(
         default=None,
-        metadata={"help": "Weight of the cross-entropy term of the block drafters' loss (default: DSpark 0.5, "
-                  "DFlash 1)."},
+        metadata={"help": "Weight of the cross-entropy against the data's token in the block drafters' loss "
+                  "(default: DSpark 0, DFlash 1)."},
     )  # fmt: skip
     l1_loss_alpha: float | None = field(
         default=None,
@@ -80,8 +80,9 @@ class DraftTrainingArguments(TrainingArguments):
     )  # fmt: skip
     soft_ce_loss_alpha: float | None = field(
         default=None,
-        metadata={"help": "Weight of the soft cross-entropy against the target distribution (default 0)."},
-    )
+        metadata={"help": "Weight of the soft cross-entropy against the target distribution (default: DSpark 0.5, "
+                  "DFlash 0): the label's CE in expectation, without its sampling noise."},
+    )  # fmt: skip
     use_qk_norm: bool | None = field(
         default=None,
         metadata={
