@@ -100,6 +100,54 @@ def test_sampling_is_lossless_with_confidence_scheduling(target, schedule, setti
     assert 0 < acc.proposed_total < full_blocks  # the schedule cut blocks, and not to nothing
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("drafter", ["dspark", "dflash", "eagle3"])
+def test_sampling_is_lossless_with_a_draft_temperature(target, drafter, path):
+    """dspark_draft_temperature sharpens the proposals (after top-p here): still the target's distribution."""
+    draft = _draft(drafter, target)
+    samples = _sample(target, "t0.8-top_p0.95", draft, dspark_draft_temperature=0.5, **PATHS[path])
+    stat, dof, p_value = chi_square_test(samples, _expected("t0.8-top_p0.95"))
+    assert p_value > P_MIN, (stat, dof)
+
+
+def _first_proposal_entropy(target, draft, **kwargs) -> float:
+    """Mean entropy of the distributions the draft drew its first proposal from."""
+    seen = []
+    original = draft.propose
+
+    def propose(*args, **kw):
+        proposal = original(*args, **kw)
+        seen.append(proposal.probs.float())
+        return proposal
+
+    draft.propose = propose
+    try:
+        torch.manual_seed(0)
+        target.generate(torch.tensor([PROMPT] * 8), do_sample=True, top_k=0, max_new_tokens=3, assistant_model=draft,
+                        **kwargs)  # fmt: skip
+    finally:
+        del draft.propose
+    q = seen[0]
+    return float(-(q * q.clamp_min(1e-30).log()).sum(-1).mean())
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_draft_temperature_reaches_the_proposals(target, path):
+    """On every path, and from one call to the next: static runners kept from a call at another draft temperature
+    (their captured proposal bakes the temperature in) are not reused."""
+    draft = _draft("dflash", target)
+    own = _first_proposal_entropy(target, draft, **PATHS[path])
+    assert _first_proposal_entropy(target, draft, dspark_draft_temperature=0.5, **PATHS[path]) < 0.8 * own
+    assert _first_proposal_entropy(target, draft, dspark_draft_temperature=2.0, **PATHS[path]) > 1.1 * own
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_draft_temperature_that_is_not_positive_is_refused(target, value):
+    with pytest.raises(ValueError, match="dspark_draft_temperature must be a positive number"):
+        target.generate(torch.tensor([PROMPT]), do_sample=True, max_new_tokens=2, assistant_model=_draft("dflash", target),
+                        dspark_draft_temperature=value)  # fmt: skip
+
+
 def _accept_always(target_scores, draft_tokens, draft_probs, num_proposed, do_sample, generator=None):
     honest = verify_block(target_scores, draft_tokens, draft_probs, num_proposed, do_sample, generator)
     return VerifyResult(num_proposed.clone(), honest.next_tokens)

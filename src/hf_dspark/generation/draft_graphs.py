@@ -156,12 +156,13 @@ def processors_signature(processors) -> tuple:
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> (key, runner)
 
 
-def static_draft_runner(draft, rows: int, capacity: int, sampler, processors, do_sample: bool, num_tokens: int,
+def static_draft_runner(draft, rows: int, capacity: int, sampler, do_sample: bool, num_tokens: int,
                         capture: bool, compile: bool = False) -> StaticDraftRunner:
-    """The draft's runner for this call, reset: the last one when its shape, sampling settings and capacity fit
-    (its graphs are replayed again: capturing costs a few eager rounds, a large share of a short generation),
-    else a new one with a fresh context cache."""
-    key = (rows, int(num_tokens), processors_signature(processors), do_sample, capture, bool(compile),
+    """The draft's runner for this call, reset: the last one when its shape, sampling settings (the draft's
+    processors: generate()'s and the proposal temperature) and capacity fit (its graphs are replayed again:
+    capturing costs a few eager rounds, a large share of a short generation), else a new one with a fresh context
+    cache."""
+    key = (rows, int(num_tokens), processors_signature(sampler.logits_processor), do_sample, capture, bool(compile),
            next(draft.parameters()).data_ptr())  # fmt: skip
     build = lambda cap: StaticDraftRunner(  # noqa: E731
         draft, draft.new_context_cache(rows, capacity=cap), sampler, num_tokens, capture, compile

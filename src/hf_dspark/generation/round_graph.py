@@ -178,8 +178,10 @@ def fused_round_runner(draft, target_runner, sampler, processors, do_sample: boo
                        num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False) -> FusedRoundRunner:
     """The draft's runner for this call: the last one when everything its graph bakes in matches (`kept_runner`;
     it holds the verification runner it was built with, so that one's id cannot be reused meanwhile), else new."""
-    key = (id(target_runner), processors_signature(processors), do_sample, tuple(eos_ids), int(num_tokens), capture,
-           bool(compile_draft), next(draft.parameters()).data_ptr())  # fmt: skip
+    # The target's processors and the draft's (its sampler's: they add the proposal temperature) are both baked in.
+    key = (id(target_runner), processors_signature(processors), processors_signature(sampler.logits_processor),
+           do_sample, tuple(eos_ids), int(num_tokens), capture, bool(compile_draft),
+           next(draft.parameters()).data_ptr())  # fmt: skip
 
     def build(cap: int) -> FusedRoundRunner:
         cap = max(cap, target_runner.capacity)  # calls of one verification shape share the runner

@@ -187,6 +187,11 @@ class SpeculativeConfig:
             separate graphs it gained 1-10%, so it stays off there); True: wherever the static draft path runs
             (eagerly on CPU too); False: never. The first call of a shape compiles (about 20 s on that machine).
             Where compilation fails, the uncompiled functions are captured.
+        draft_temperature (`float`, field `dspark_draft_temperature`, defaults to 1.0): when sampling, the draft
+            draws from softmax(processed draft scores / draft_temperature) instead of softmax(processed scores).
+            Lossless for any value > 0: verification reads the exact distribution the draft drew from. Below 1 it
+            sharpens the proposals, which raises acceptance where the draft is less confident than the target
+            (and lowers it where it is not); greedy decoding ignores it.
     """
 
     schedule: str = "none"
@@ -198,6 +203,7 @@ class SpeculativeConfig:
     fused_round: bool | str = "auto"
     compile: bool | str = "auto"
     compile_draft: bool | str = "auto"
+    draft_temperature: float = 1.0
 
     FIELDS = {
         "dspark_schedule": "schedule",
@@ -209,6 +215,7 @@ class SpeculativeConfig:
         "dspark_fused_round": "fused_round",
         "dspark_compile": "compile",
         "dspark_compile_draft": "compile_draft",
+        "dspark_draft_temperature": "draft_temperature",
     }
 
     @classmethod
@@ -239,6 +246,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"dspark_{name} must be True, False or 'auto', got {value!r}")
+        if not 0.0 < float(self.draft_temperature) < float("inf"):
+            raise ValueError(
+                f"dspark_draft_temperature must be a positive number, got {self.draft_temperature} (1.0: the draft's "
+                "own distribution)"
+            )
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -432,6 +444,14 @@ def speculative_generate(
     return decoder.output(cache if batch == 1 else None, cache_key)
 
 
+def _draft_processors(processors, config: SpeculativeConfig, do_sample: bool) -> list:
+    """generate()'s processors for the draft's scores, then the proposal temperature (sampling only: any q the
+    draft really drew from keeps verification exact; position-free, so every static path takes it as well)."""
+    if not do_sample or float(config.draft_temperature) == 1.0:
+        return list(processors)
+    return [*processors, logits_process.TemperatureLogitsWarper(float(config.draft_temperature))]
+
+
 class _FullBatchProcessors(logits_process.LogitsProcessorList):
     """generate()'s processors applied to a subset of its rows (`rows`, original indices): inputs are scattered
     into the full batch first, since processors may hold per-row state sized to it."""
@@ -477,7 +497,7 @@ class _Decoder:
         pad = generation_config._pad_token_tensor
         self.pad_id = int(pad.reshape(-1)[0]) if pad is not None else 0
         self.num_tokens = _num_draft_tokens(draft, config)
-        self.draft_processors = _FullBatchProcessors(self.logits_processor)
+        self.draft_processors = _FullBatchProcessors(_draft_processors(self.logits_processor, config, self.do_sample))
         self.sampler = TokenSampler(do_sample=self.do_sample, logits_processor=self.draft_processors)
         self.cache_kwarg = cache_kwarg_name(model)
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
@@ -705,7 +725,7 @@ class _Decoder:
                 dcache = fused.dcache
             elif self.static_draft:
                 runner = static_draft_runner(
-                    draft, len(row_ids), capacity, self.sampler, self.logits_processor, self.do_sample,
+                    draft, len(row_ids), capacity, self.sampler, self.do_sample,
                     self.num_tokens, capture=self.capture_graphs, compile=self.compile_draft,
                 )
                 dcache = runner.cache
