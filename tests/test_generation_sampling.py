@@ -148,8 +148,47 @@ def test_a_draft_temperature_that_is_not_positive_is_refused(target, value):
                         dspark_draft_temperature=value)  # fmt: skip
 
 
-def _accept_always(target_scores, draft_tokens, draft_probs, num_proposed, do_sample, generator=None):
-    honest = verify_block(target_scores, draft_tokens, draft_probs, num_proposed, do_sample, generator)
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("drafter", ["dspark", "eagle3"])
+def test_token_verification_is_lossless_too(target, drafter, path):
+    """The classic slot-by-slot rule, kept beside block verification (the default) for comparison."""
+    draft = _draft(drafter, target)
+    samples = _sample(target, "t0.8-top_p0.95", draft, dspark_verification="token", **PATHS[path])
+    stat, dof, p_value = chi_square_test(samples, _expected("t0.8-top_p0.95"))
+    assert p_value > P_MIN, (stat, dof)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_verification_method_reaches_every_path(target, path, monkeypatch):
+    """Call after call: a fused round kept from a call with the other method (it bakes the method in) is not
+    reused."""
+    from hf_dspark.generation import round_graph
+
+    seen = []
+
+    def recording(*args, method="block", **kwargs):
+        seen.append(method)
+        return verify_block(*args, method=method, **kwargs)
+
+    monkeypatch.setattr(speculative, "verify_block", recording)
+    monkeypatch.setattr(round_graph, "verify_block", recording)
+    draft = _draft("dflash", target)
+    for method in ("block", "token", "block"):
+        seen.clear()
+        torch.manual_seed(0)
+        target.generate(torch.tensor([PROMPT] * 4), do_sample=True, max_new_tokens=4, assistant_model=draft,
+                        dspark_verification=method, **PATHS[path])  # fmt: skip
+        assert seen and set(seen) == {method}
+
+
+def test_an_unknown_verification_method_is_refused(target):
+    with pytest.raises(ValueError, match="dspark_verification='tree' is not one of 'block', 'token'"):
+        target.generate(torch.tensor([PROMPT]), do_sample=True, max_new_tokens=2, assistant_model=_draft("dflash", target),
+                        dspark_verification="tree")  # fmt: skip
+
+
+def _accept_always(target_scores, draft_tokens, draft_probs, num_proposed, do_sample, generator=None, method="block"):
+    honest = verify_block(target_scores, draft_tokens, draft_probs, num_proposed, do_sample, generator, method)
     return VerifyResult(num_proposed.clone(), honest.next_tokens)
 
 

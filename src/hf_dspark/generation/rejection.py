@@ -7,6 +7,14 @@ Every decoding path (batch 1, batched, calibration rollouts, benchmarks) verifie
   at the first rejection the next token is drawn from normalize(max(0, p_k - q_k)); if all proposed slots are
   accepted, the bonus token is drawn from p_{l+1}. q must be exactly the distribution x_k was drawn from
   (`DraftProposal.probs`) and p the target's distribution after the same logits processing generate() applies.
+- block sampling (the default; Sun et al. 2024, "Block Verification Accelerates Speculative Decoding"): the block
+  is judged jointly. With w_0 = 1 and w_k = min(1, w_{k-1} p_k(x_k) / q_k(x_k)), slot k < n may end the accepted
+  prefix with probability h_k = S_k / (S_k + 1 - w_k), S_k = sum_x max(0, w_k p_{k+1}(x) - q_{k+1}(x)), and the
+  last proposed slot with probability w_n; the prefix is as long as the *last* slot whose coin came up (none: 0
+  slots), and the next token is drawn from normalize(max(0, w_a p_{a+1} - q_{a+1})), or from p_{n+1} after all
+  n. The output distribution is the target's, and the expected prefix is at least token sampling's (optimal among
+  verifiers that read these distributions only): a slot the draft over-weighted no longer ends the block at once
+  when the slots before it left probability to spare.
 - greedy: accept while argmax p_k == x_k; the next token is argmax p at the first mismatch (or the bonus slot).
 
 Rows verify different numbers of slots (`num_proposed`, chosen by a scheduler before verification and never
@@ -20,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import sample_from
+
+VERIFICATIONS = ("block", "token")
 
 
 @dataclass
@@ -37,13 +47,17 @@ def verify_block(
     num_proposed: torch.LongTensor,
     do_sample: bool,
     generator: torch.Generator | None = None,
+    method: str = "block",
 ) -> VerifyResult:
     """Verify one proposed block per row.
 
     target_scores [R, n+1, V]: the target's processed logits at [anchor, x_1..x_n] (slot k's row predicts x_k,
     the last one the bonus token); draft_tokens [R, n]; draft_probs [R, n, V]: the exact distributions the draft
-    sampled from (unused when greedy); num_proposed [R]: how many leading slots each row verifies (<= n).
+    sampled from (unused when greedy); num_proposed [R]: how many leading slots each row verifies (<= n);
+    method: "block" or "token" sampling verification (greedy verification is the same for both).
     """
+    if method not in VERIFICATIONS:
+        raise ValueError(f"verification method {method!r} is not one of {', '.join(map(repr, VERIFICATIONS))}")
     rows, width, _ = target_scores.shape
     n = width - 1
     if draft_tokens.shape[1] < n:
@@ -62,27 +76,49 @@ def verify_block(
     if draft_probs is None and n > 0:
         raise ValueError("sampling verification needs draft_probs: the distributions the draft tokens were drawn from")
     p = torch.softmax(target_scores.float(), dim=-1)  # [R, n+1, V]
-    if n > 0:
-        q = draft_probs[:, :n].float()
-        p_x = p[:, :n].gather(-1, draft_tokens[..., None]).squeeze(-1)
-        q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
-        u = torch.rand(rows, n, device=p.device, generator=generator)
+    if n == 0:
+        return VerifyResult(torch.zeros(rows, dtype=torch.long, device=p.device), sample_from(p[:, 0], generator))
+    q = draft_probs[:, :n].float()
+    p_x = p[:, :n].gather(-1, draft_tokens[..., None]).squeeze(-1)
+    q_x = q.gather(-1, draft_tokens[..., None]).squeeze(-1)
+    u = torch.rand(rows, n, device=p.device, generator=generator)
+    if method == "token":
         # u < p/q  <=>  u * q < p: accept with probability min(1, p/q), no division by q.
         accepted = (u * q_x < p_x) & proposed
         num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
+        weight = torch.ones(rows, device=p.device)
     else:
-        num_accepted = torch.zeros(rows, dtype=torch.long, device=p.device)
+        num_accepted, weight = _block_prefix(p, q, p_x, q_x, u, num_proposed)
 
     p_next = _row_slot(p, num_accepted)  # [R, V]: p_{a+1}
-    if n > 0:
-        rejected = (num_accepted < num_proposed)[:, None]
-        q_next = _row_slot(q, num_accepted.clamp(max=n - 1)) * rejected
-        residual = (p_next - q_next).clamp_min(0)
-        mass = residual.sum(dim=-1, keepdim=True)
-        # p == q up to rounding makes a rejection (almost) impossible; fall back to p rather than divide by ~0.
-        p_next = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-30), p_next)
-    next_tokens = sample_from(p_next, generator)
-    return VerifyResult(num_accepted, next_tokens)
+    rejected = (num_accepted < num_proposed)[:, None]
+    q_next = _row_slot(q, num_accepted.clamp(max=n - 1)) * rejected
+    residual = (weight[:, None] * p_next - q_next).clamp_min(0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # p == q up to rounding makes a rejection (almost) impossible; fall back to p rather than divide by ~0.
+    p_next = torch.where(mass > 1e-12, residual / mass.clamp_min(1e-30), p_next)
+    return VerifyResult(num_accepted, sample_from(p_next, generator))
+
+
+def _block_prefix(p, q, p_x, q_x, u, num_proposed):
+    """Block verification's accepted prefix [R] and its weight w_a [R] (module docstring)."""
+    rows, n = u.shape
+    # w_k = min(1, w_{k-1} r_k) is a clamped random walk in log space: log w_k = c_k - max(0, c_1..c_k) with c the
+    # running sum of log r. A token the target never draws (p = 0) sends the walk, and every weight after it, to 0.
+    steps = torch.log(p_x) - torch.log(q_x.clamp_min(1e-30))
+    walk = torch.cat([steps.new_zeros(rows, 1), steps.cumsum(dim=-1)], dim=1)  # c_0..c_n
+    weight = torch.exp(walk - walk.cummax(dim=-1).values)  # [R, n+1]: w_0..w_n
+    # h_k for k = 1..n-1 reads slot k+1's distributions; the row's last proposed slot ends with probability w_n.
+    spare = (weight[:, 1:n, None] * p[:, 1:n] - q[:, 1:n]).clamp_min(0).sum(dim=-1)  # [R, n-1]: S_1..S_{n-1}
+    denominator = spare + 1 - weight[:, 1:n]
+    stop = torch.where(denominator > 1e-12, spare / denominator.clamp_min(1e-30), torch.ones_like(spare))
+    stop = torch.cat([stop, stop.new_zeros(rows, 1)], dim=1)  # [R, n]: h_1..h_n (h_n unused but by a full row)
+    slot = torch.arange(1, n + 1, device=u.device)[None, :]
+    last = slot == num_proposed[:, None]
+    stop = torch.where(last, weight[:, 1:], stop)
+    ends = (u < stop) & (slot <= num_proposed[:, None])
+    num_accepted = (ends.long() * slot).amax(dim=-1)  # the last slot whose coin came up; 0 if none did
+    return num_accepted, weight.gather(1, num_accepted[:, None]).squeeze(1)
 
 
 def _row_slot(values: torch.Tensor, slot: torch.LongTensor) -> torch.Tensor:
@@ -106,4 +142,4 @@ def cut_at_stop(tokens: torch.LongTensor, counts: torch.LongTensor, stop_ids: to
     return torch.minimum(counts, first + 1), first < counts
 
 
-__all__ = ["VerifyResult", "block_tokens", "cut_at_stop", "verify_block"]
+__all__ = ["VERIFICATIONS", "VerifyResult", "block_tokens", "cut_at_stop", "verify_block"]

@@ -36,10 +36,12 @@ class FusedRoundRunner:
     """Rounds of a static call through one graph (eager without CUDA)."""
 
     def __init__(self, draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
-                 num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False):
+                 num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False,
+                 verification: str = "block"):
         rows, device = target_runner.rows, target_runner.key_valid.device
         self.rows, self.n, self.width = rows, int(num_tokens), int(num_tokens) + 1
         self.target_runner, self.processors, self.do_sample = target_runner, processors, do_sample
+        self.verification = verification
         self.dcache = draft.new_context_cache(rows, capacity=capacity)
         # Its functions (compiled where `compile_draft`) run inside this runner's graph; it captures none itself.
         self.draft_runner = StaticDraftRunner(draft, self.dcache, sampler, num_tokens, capture=False,
@@ -140,7 +142,7 @@ class FusedRoundRunner:
         logits, features = target._run()
         # Greedy verification takes an argmax and sampling casts to float32 itself: only processors need a copy.
         scores = apply_position_free(self.processors, logits) if len(self.processors) else logits
-        result = verify_block(scores, drafts, proposal.probs, caps, self.do_sample)
+        result = verify_block(scores, drafts, proposal.probs, caps, self.do_sample, method=self.verification)
         accepted = result.num_accepted
         new_tokens = block_tokens(window, result)
         # Each running row commits a prefix of its window (accepted drafts + the new token; none where idle): the
@@ -175,18 +177,19 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> 
 
 
 def fused_round_runner(draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
-                       num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False) -> FusedRoundRunner:
+                       num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False,
+                       verification: str = "block") -> FusedRoundRunner:
     """The draft's runner for this call: the last one when everything its graph bakes in matches (`kept_runner`;
     it holds the verification runner it was built with, so that one's id cannot be reused meanwhile), else new."""
     # The target's processors and the draft's (its sampler's: they add the proposal temperature) are both baked in.
     key = (id(target_runner), processors_signature(processors), processors_signature(sampler.logits_processor),
-           do_sample, tuple(eos_ids), int(num_tokens), capture, bool(compile_draft),
+           do_sample, verification, tuple(eos_ids), int(num_tokens), capture, bool(compile_draft),
            next(draft.parameters()).data_ptr())  # fmt: skip
 
     def build(cap: int) -> FusedRoundRunner:
         cap = max(cap, target_runner.capacity)  # calls of one verification shape share the runner
         return FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, cap, capture,
-                                compile_draft)
+                                compile_draft, verification)
 
     return kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.dcache.capacity, build)
 

@@ -80,7 +80,7 @@ from ..target import TargetFeatureHooks
 from .draft_graphs import graphs_supported, static_draft_runner
 from .round_graph import fused_round_runner
 from .target_graphs import static_target_runner, static_target_unsupported
-from .rejection import block_tokens, cut_at_stop, verify_block
+from .rejection import VERIFICATIONS, block_tokens, cut_at_stop, verify_block
 from .scheduler import (
     SCHEDULES,
     SPSTable,
@@ -192,6 +192,10 @@ class SpeculativeConfig:
             Lossless for any value > 0: verification reads the exact distribution the draft drew from. Below 1 it
             sharpens the proposals, which raises acceptance where the draft is less confident than the target
             (and lowers it where it is not); greedy decoding ignores it.
+        verification (`str`, field `dspark_verification`, defaults to "block"): how sampled blocks are verified.
+            "block" judges each block jointly (Sun et al. 2024): lossless, and its expected accepted prefix is at
+            least that of "token", the classic slot-by-slot rejection sampling (kept for comparison). Greedy
+            decoding verifies the same way under both. See `rejection.py`.
     """
 
     schedule: str = "none"
@@ -204,6 +208,7 @@ class SpeculativeConfig:
     compile: bool | str = "auto"
     compile_draft: bool | str = "auto"
     draft_temperature: float = 1.0
+    verification: str = "block"
 
     FIELDS = {
         "dspark_schedule": "schedule",
@@ -216,6 +221,7 @@ class SpeculativeConfig:
         "dspark_compile": "compile",
         "dspark_compile_draft": "compile_draft",
         "dspark_draft_temperature": "draft_temperature",
+        "dspark_verification": "verification",
     }
 
     @classmethod
@@ -250,6 +256,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"dspark_draft_temperature must be a positive number, got {self.draft_temperature} (1.0: the draft's "
                 "own distribution)"
+            )
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(
+                f"dspark_verification={self.verification!r} is not one of {', '.join(map(repr, VERIFICATIONS))}"
             )
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
@@ -720,6 +730,7 @@ class _Decoder:
                     draft, target_runner, self.sampler, self.logits_processor, self.do_sample,
                     tuple(self.eos_ids.tolist()) if self.eos_ids is not None else (), self.num_tokens, capacity,
                     capture=device.type == "cuda", compile_draft=self.compile_draft,
+                    verification=self.config.verification,
                 )
                 fused.reset()
                 dcache = fused.dcache
@@ -891,6 +902,7 @@ class _Decoder:
                 None if proposal is None or proposal.probs is None else proposal.probs[:, : width - 1],
                 verify_len,
                 self.do_sample,
+                method=self.config.verification,
             )
             accepted = result.num_accepted
             new_tokens = block_tokens(window, result)
