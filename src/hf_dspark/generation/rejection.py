@@ -112,7 +112,7 @@ def _block_prefix(p, q, p_x, q_x, u, num_proposed):
     spare = (weight[:, 1:n, None] * p[:, 1:n] - q[:, 1:n]).clamp_min(0).sum(dim=-1)  # [R, n-1]: S_1..S_{n-1}
     denominator = spare + 1 - weight[:, 1:n]
     stop = torch.where(denominator > 1e-12, spare / denominator.clamp_min(1e-30), torch.ones_like(spare))
-    stop = torch.cat([stop, stop.new_zeros(rows, 1)], dim=1)  # [R, n]: h_1..h_n (h_n unused but by a full row)
+    stop = torch.cat([stop, stop.new_zeros(rows, 1)], dim=1)  # [R, n]: h_1..h_n; each row's last slot takes w below
     slot = torch.arange(1, n + 1, device=u.device)[None, :]
     last = slot == num_proposed[:, None]
     stop = torch.where(last, weight[:, 1:], stop)
