@@ -3,10 +3,11 @@
 Every decoding path (batch 1, batched, calibration rollouts, benchmarks) verifies draft blocks through
 `verify_block`, so losslessness is argued once:
 
-- sampling: slot k's draft token x_k is accepted with probability min(1, p_k(x_k) / q_k(x_k)), left to right;
-  at the first rejection the next token is drawn from normalize(max(0, p_k - q_k)); if all proposed slots are
-  accepted, the bonus token is drawn from p_{l+1}. q must be exactly the distribution x_k was drawn from
-  (`DraftProposal.probs`) and p the target's distribution after the same logits processing generate() applies.
+- token sampling (`method="token"`): slot k's draft token x_k is accepted with probability min(1, p_k(x_k) /
+  q_k(x_k)), left to right; at the first rejection the next token is drawn from normalize(max(0, p_k - q_k)); if
+  all proposed slots are accepted, the bonus token is drawn from p_{l+1}. In both sampling methods q must be exactly
+  the distribution x_k was drawn from (`DraftProposal.probs`) and p the target's distribution after the same logits
+  processing generate() applies.
 - block sampling (the default; Sun et al. 2024, "Block Verification Accelerates Speculative Decoding"): the block
   is judged jointly. With w_0 = 1 and w_k = min(1, w_{k-1} p_k(x_k) / q_k(x_k)), slot k < n may end the accepted
   prefix with probability h_k = S_k / (S_k + 1 - w_k), S_k = sum_x max(0, w_k p_{k+1}(x) - q_{k+1}(x)), and the
