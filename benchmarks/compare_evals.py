@@ -18,6 +18,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from hf_dspark.evaluation.report import per_prompt_counts
 from hf_dspark.metrics import tau_difference_interval
 
 # Settings that must agree for the per-prompt counts of two runs to pair up.
@@ -61,14 +62,17 @@ def draft_rows(run: dict, drafter: str | None) -> list[dict]:
     rows = [row for row in run["results"] if row["drafter"] == drafter]
     if not rows:
         raise ValueError(f"no rows for drafter {drafter!r}; the run holds {names}")
-    missing = [row["dataset"] for row in rows if not row.get("tau_by_request")]
+    missing = [row["dataset"] for row in rows if not per_prompt_counts(row)]
     if missing:
         raise ValueError(f"rows of {missing} carry no per-prompt counts (tau_by_request): rerun with today's eval")
     return rows
 
 
 def summarize(rows: list[dict], batch_size: int) -> dict:
-    steps = sum(batch_rounds(r["tau_by_request"]["rounds"], batch_size) for r in rows)
+    by_dataset = {r["dataset"]: {"tau": r["tau"], "rounds": r["rounds"], "tokens_per_s": r["tokens_per_s"],
+                                 "batch_rounds": batch_rounds(per_prompt_counts(r)[0], batch_size)}
+                  for r in rows}  # fmt: skip
+    steps = sum(d["batch_rounds"] for d in by_dataset.values())
     wall = sum(r["wall_time_s"] for r in rows)
     decode = wall - sum(r.get("prefill_time_s") or 0.0 for r in rows)
     return {
@@ -77,9 +81,7 @@ def summarize(rows: list[dict], batch_size: int) -> dict:
         "batch_rounds": steps,
         "ms_per_batch_round": 1000 * decode / steps,
         "tokens_per_s": sum(r["new_tokens"] for r in rows) / wall,
-        "by_dataset": {r["dataset"]: {"tau": r["tau"], "rounds": r["rounds"], "tokens_per_s": r["tokens_per_s"],
-                                      "batch_rounds": batch_rounds(r["tau_by_request"]["rounds"], batch_size)}
-                       for r in rows},  # fmt: skip
+        "by_dataset": by_dataset,
     }
 
 
@@ -96,9 +98,7 @@ def compare(runs: dict[str, dict], drafter: str | None = None) -> dict:
         for label, rs in at.items():
             if label == reference:
                 continue
-            pairs = [((a["tau_by_request"]["rounds"], a["tau_by_request"]["committed"]),
-                      (b["tau_by_request"]["rounds"], b["tau_by_request"]["committed"]))
-                     for a, b in zip(rs, at[reference])]  # fmt: skip
+            pairs = [(per_prompt_counts(a), per_prompt_counts(b)) for a, b in zip(rs, at[reference])]
             table[label]["tau_vs_reference"] = tau_difference_interval(pairs)
             for key in ("mean_tau", "batch_rounds", "ms_per_batch_round", "tokens_per_s"):
                 table[label][f"{key}_ratio"] = table[label][key] / table[reference][key]
@@ -114,7 +114,9 @@ def print_table(result: dict) -> None:
         print(" | ".join("---" for _ in head))
         for label, row in table.items():
             paired = row.get("tau_vs_reference")
-            delta = f"{paired['difference']:+.3f} ({paired['ci95'][0]:+.3f} to {paired['ci95'][1]:+.3f})" if paired else "–"
+            delta = "–"
+            if paired:
+                delta = f"{paired['difference']:+.3f} ({paired['ci95'][0]:+.3f} to {paired['ci95'][1]:+.3f})"
             print(f"{label} | {row['mean_tau']:.3f} | {delta} | {row['rounds']} | {row['batch_rounds']} | "
                   f"{row['ms_per_batch_round']:.3f} | {row['tokens_per_s']:.0f}")  # fmt: skip
 

@@ -220,8 +220,8 @@ def test_acceptance_depth_reads_both_report_forms_and_models_tau(tmp_path):
 
 def _eval_run(path: Path, rounds: list[int], committed: list[int], wall: float, **settings) -> Path:
     """A minimal `hf-dspark eval` results.json: one drafter, one dataset of four prompts in batches of two."""
-    base = {"datasets": {"gsm8k": "x.jsonl"}, "num_prompts": {"gsm8k": 4}, "max_new_tokens": 8, "temperatures": [1.0],
-            "top_k": 0, "top_p": 1.0, "batch_size": 2, "seed": 0, "generate_kwargs": {}}  # fmt: skip
+    base = {"datasets": {"gsm8k": "x.jsonl"}, "num_prompts": {"gsm8k": 4}, "max_new_tokens": 8, "seed": 0,
+            "temperatures": [1.0], "top_k": 0, "top_p": 1.0, "batch_size": 2, "generate_kwargs": {}}  # fmt: skip
     row = {"drafter": "dspark", "dataset": "gsm8k", "temperature": 1.0, "tau": sum(committed) / sum(rounds),
            "rounds": sum(rounds), "new_tokens": sum(committed), "wall_time_s": wall, "prefill_time_s": 0.1,
            "tokens_per_s": sum(committed) / wall, "tau_by_request": {"rounds": rounds, "committed": committed}}  # fmt: skip
@@ -240,7 +240,8 @@ def test_compare_evals_pairs_prompts_and_counts_each_batch_by_its_slowest_row(tm
     table = json.loads(out.read_text())["temperatures"]["1"]
     assert table["token"]["batch_rounds"] == 8 and table["block"]["batch_rounds"] == 7
     assert table["token"]["ms_per_batch_round"] == pytest.approx(1000 * 0.8 / 8)
-    assert table["block"]["mean_tau"] == pytest.approx(32 / 12) and table["block"]["mean_tau_ratio"] == pytest.approx(4 / 3)
+    assert table["block"]["mean_tau"] == pytest.approx(32 / 12)
+    assert table["block"]["mean_tau_ratio"] == pytest.approx(4 / 3)
     assert table["block"]["tau_vs_reference"]["difference"] == pytest.approx(32 / 12 - 2)
     other = _eval_run(tmp_path / "other", [4, 4, 4, 4], [8, 8, 8, 8], wall=0.9, batch_size=4)
     with pytest.raises(ValueError, match="differ in batch_size"):

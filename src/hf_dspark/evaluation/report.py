@@ -87,7 +87,7 @@ def _timing_notes(results) -> list[str]:
     return out
 
 
-def _per_prompt(row: dict | None) -> tuple[list[int], list[int]] | None:
+def per_prompt_counts(row: dict | None) -> tuple[list[int], list[int]] | None:
     """A draft row's (rounds, committed tokens) per prompt, or None (no row, or a row saved without them)."""
     counts = (row or {}).get("tau_by_request")
     return (counts["rounds"], counts["committed"]) if counts else None
@@ -102,8 +102,8 @@ def _paired_differences(drafters, datasets, temperatures, lookup) -> list[str]:
             pairs = []
             for d in datasets:
                 a, b = lookup.get((drafter, d, temp)), lookup.get((drafters[0], d, temp))
-                if _per_prompt(a) and _per_prompt(b):
-                    pairs.append((_per_prompt(a), _per_prompt(b)))
+                if per_prompt_counts(a) and per_prompt_counts(b):
+                    pairs.append((per_prompt_counts(a), per_prompt_counts(b)))
             paired = tau_difference_interval(pairs) if len(pairs) == len(datasets) else None
             if paired is not None:
                 lo, hi = paired["ci95"]
@@ -202,7 +202,7 @@ def results_markdown(results) -> str:
         if any(c and c.get("tau_ci95") for d in drafters for c in [lookup.get((d, x, temp)) for x in datasets]):
             for drafter in drafters:
                 cells = [lookup.get((drafter, d, temp)) for d in datasets]
-                groups = [_per_prompt(c) for c in cells if _per_prompt(c)]
+                groups = [per_prompt_counts(c) for c in cells if per_prompt_counts(c)]
                 mean = tau_interval(groups) if len(groups) == len(cells) else None
                 table.append(
                     [f"{drafter}, 95% interval (bootstrap over prompts)"]
@@ -373,4 +373,4 @@ def save_results(results, output_dir: str | Path, plots: bool = True) -> dict[st
     return written
 
 
-__all__ = ["ROW_KEYS", "results_json", "results_markdown", "save_results", "temperature_tag"]
+__all__ = ["ROW_KEYS", "per_prompt_counts", "results_json", "results_markdown", "save_results", "temperature_tag"]
