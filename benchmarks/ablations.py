@@ -62,6 +62,7 @@ VARIANTS = {
     "anchors_1024": ["--num_anchors", "1024"],
     "loops_2": ["--max_loop_repeats", "2"],
     "sequence_normalization": ["--loss_normalization", "sequence"],
+    "walk_weighting": ["--anchor_weighting", "walk"],  # anchor blocks weighted as often as decoding visits them
     # DSpark's loss mix. The default (since 2026-12-05) is the soft CE against the target's distribution with L1;
     # `soft_ce` names it explicitly (the run that made it the default used that name), the others replace it.
     "label_ce": ["--ce_loss_alpha", "0.5", "--soft_ce_loss_alpha", "0"],  # the default before: one sampled label

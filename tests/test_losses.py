@@ -20,6 +20,7 @@ from hf_dspark.training.losses import (
     eagle3_loss,
     fused_head_loss,
     slot_weights,
+    walk_block_weights,
 )
 
 SEQ = 24
@@ -28,7 +29,8 @@ SEQ = 24
 # -- naive references: full [.., V] tensors, plain autograd -----------------------------------------------------
 
 
-def naive_block_loss(draft, out):
+def naive_block_loss(draft, out, block_weight=None):
+    """`block_weight` [B, N]: scales every slot weight of its anchor block (anchor_weighting="walk")."""
     cfg = draft.config
     logp = draft.draft_logits(out.hidden_states, out.markov_features).log_softmax(-1)  # [B, N, K, V]
     p = logp.exp()
@@ -36,6 +38,8 @@ def naive_block_loss(draft, out):
     ce = -logp.gather(-1, out.labels[..., None]).squeeze(-1)
     l1 = (p - q).abs().sum(-1)
     w = out.eval_mask.to(p.dtype) * torch.exp(-torch.arange(cfg.block_size, dtype=p.dtype) / cfg.loss_decay_gamma)
+    if block_weight is not None:
+        w = w * block_weight[..., None]
     total = cfg.ce_loss_alpha * (w * ce).sum() + cfg.l1_loss_alpha * (w * l1).sum()
     total = total + cfg.soft_ce_loss_alpha * (w * -(q * logp).sum(-1)).sum()
     if out.confidence_logits is not None:
@@ -587,3 +591,68 @@ def test_sequence_normalization_averages_each_sequences_own_loss(drafter):
     assert not torch.allclose(token.loss, seq.loss)  # the rows have different numbers of supervised slots
     with pytest.raises(ValueError, match="normalization must be one of token, sequence"):
         objective(draft, out, normalization="batch")
+
+
+# -- anchor weighting -----------------------------------------------------------------------------------------------
+
+
+def test_walk_block_weights_are_one_over_the_expected_round_length():
+    logits = torch.zeros(1, 2, 3)  # c = 0.5 at every slot
+    mask = torch.tensor([[[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]])
+    # 1 + 0.5 + 0.25 + 0.125 = 1.875; the unsupervised third slot ends the second block's walk: 1 + 0.5 + 0.25
+    torch.testing.assert_close(walk_block_weights(logits, mask), torch.tensor([[1 / 1.875, 1 / 1.75]]))
+    sure = torch.full((1, 1, 3), 30.0)  # a block the draft expects to pass whole weighs 1 / (K + 1)
+    torch.testing.assert_close(walk_block_weights(sure, torch.ones(1, 1, 3)), torch.tensor([[0.25]]))
+    logits = torch.randn(2, 3, 4, requires_grad=True)
+    assert not walk_block_weights(logits, torch.ones(2, 3, 4)).requires_grad  # a weight, not a training signal
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_walk_weighting_scales_each_anchor_block_by_its_expected_visits(normalization):
+    """anchor_weighting="walk" is the plain objective with every block's slot weights scaled by 1 / τ̂ of that
+    block (values and gradients, against the naive reference), and it changes the loss."""
+    target = make_tiny_target("llama").double()
+    draft = tiny_dspark(target, num_anchors=4)
+    input_ids, loss_mask = batch_for(target, rows=3)
+    ctx, last = features(target, draft, input_ids)
+    out = draft(input_ids, ctx, loss_mask, target_last_hidden=last, generator=torch.Generator().manual_seed(0))
+    mask = out.eval_mask.double()
+    tau_hat = 1 + torch.sigmoid(out.confidence_logits.detach()).mul(mask).cumprod(-1).sum(-1)
+    walk = block_draft_loss(draft, out, anchor_weighting="walk", normalization=normalization)
+    if normalization == "token":
+        reference = naive_block_loss(draft, out, block_weight=1 / tau_hat)
+    else:  # each row's own walk-weighted loss, averaged over the rows
+        rows = [naive_block_loss(draft, _row(out, b, 0), block_weight=1 / tau_hat[b : b + 1]) for b in range(3)]
+        reference = sum(rows) / 3
+    torch.testing.assert_close(walk.loss, reference)
+    for got, want in zip(grads_of(draft, walk.loss), grads_of(draft, reference)):
+        torch.testing.assert_close(got, want)
+    uniform = block_draft_loss(draft, out, normalization=normalization)
+    assert not torch.allclose(walk.loss, uniform.loss)
+
+
+def test_walk_weighting_needs_a_confidence_head_and_errors_name_the_fix():
+    from hf_dspark.training import DraftTrainer, DraftTrainingArguments
+
+    target = make_tiny_target("llama").double()
+    dflash = DFlashModel.from_target(target, num_hidden_layers=1, block_size=4, num_anchors=4, dtype=torch.float64)
+    input_ids, loss_mask = batch_for(target)
+    ctx, last = features(target, dflash, input_ids)
+    out = dflash(input_ids, ctx, loss_mask, target_last_hidden=last, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="use it with DSpark"):
+        block_draft_loss(dflash, out, anchor_weighting="walk")
+    with pytest.raises(ValueError, match="anchor_weighting must be one of uniform, walk"):
+        block_draft_loss(dflash, out, anchor_weighting="visits")
+    eagle = Eagle3Model.from_target(target, block_size=3, dtype=torch.float64)
+    eagle_ctx, eagle_last = features(target, eagle, input_ids)
+    eagle_out = eagle(input_ids, eagle_ctx, loss_mask, target_last_hidden=eagle_last)
+    with pytest.raises(ValueError, match="keep anchor_weighting='uniform' for Eagle3"):
+        eagle3_loss(eagle, eagle_out, anchor_weighting="walk")
+    with tempfile.TemporaryDirectory() as out_dir:
+        with pytest.raises(ValueError, match="anchor_weighting must be one of uniform, walk"):
+            DraftTrainingArguments(output_dir=out_dir, anchor_weighting="visits", use_cpu=True, report_to=[])
+        with pytest.raises(ValueError, match="loss_normalization must be one of token, sequence"):
+            DraftTrainingArguments(output_dir=out_dir, loss_normalization="batch", use_cpu=True, report_to=[])
+        args = DraftTrainingArguments(output_dir=out_dir, anchor_weighting="walk", use_cpu=True, report_to=[])
+        with pytest.raises(ValueError, match="dflash draft has none: train DSpark"):
+            DraftTrainer(model=dflash.float(), args=args, target_model=target.float(), train_dataset=[])

@@ -138,6 +138,12 @@ class DraftTrainingArguments(TrainingArguments):
         metadata={"help": "Average the loss over supervised tokens (token) or per sequence, then over sequences "
                   "(sequence, as the reference implementation)."},
     )
+    anchor_weighting: str = field(
+        default="uniform",
+        metadata={"help": "Weight of each anchor block in the loss: uniform, or walk (1 / the draft's own expected "
+                  "tokens a round from that anchor, from its confidence head: decoding starts a round where the last "
+                  "one ended, so hard anchors are visited more often than uniform sampling draws them; DSpark only)."},
+    )  # fmt: skip
     max_train_minutes: float | None = field(
         default=None,
         metadata={
@@ -182,6 +188,14 @@ class DraftTrainingArguments(TrainingArguments):
         super().__post_init__()
         if copy_async and self.dataloader_pin_memory:  # transformers turns pinning off for use_cpu
             self.accelerator_config.non_blocking = True
+        from .losses import ANCHOR_WEIGHTINGS, NORMALIZATIONS
+
+        if self.loss_normalization not in NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {', '.join(NORMALIZATIONS)}, got "
+                             f"{self.loss_normalization!r}")  # fmt: skip
+        if self.anchor_weighting not in ANCHOR_WEIGHTINGS:
+            raise ValueError(f"anchor_weighting must be one of {', '.join(ANCHOR_WEIGHTINGS)}, got "
+                             f"{self.anchor_weighting!r}")  # fmt: skip
         if self.pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
         if self.max_train_minutes is not None and self.max_train_minutes <= 0:

@@ -11,7 +11,9 @@ Eagle3, TTT step j (0-based), weight step_loss_decay ** j, masked by the step's 
 Each term is  sum(w * term over valid slots) / sum(w over valid slots),  numerators and denominators summed
 over all data-parallel ranks ("token" normalization, the default). Eagle3 uses the same normalization with
 w = step_loss_decay ** j over every valid (step, position) pair. normalization="sequence" instead averages each
-sequence's normalized term over the sequences of the global batch (`_normalized`).
+sequence's normalized term over the sequences of the global batch (`_normalized`). anchor_weighting="walk"
+(block drafters with a confidence head) first scales each anchor block's w by 1 / τ̂, the draft's own expected
+tokens a round from that anchor (`walk_block_weights`), so the loss weighs blocks as decoding visits them.
 
 Memory. The [slots, V] logits dominate (3584 x 151,936 at DeepSpec's shapes). `fused_head_loss` walks the
 slots in row chunks sized so that one chunk's [rows, V] fp32 tensors stay within a fixed element budget, and
@@ -486,16 +488,41 @@ def _normalized(weight: torch.Tensor, normalization: str, sequence_dim: int) -> 
     return weight / per_sequence.clamp_min(tiny) / count.clamp_min(1.0), world
 
 
+ANCHOR_WEIGHTINGS = ("uniform", "walk")
+
+
+def walk_block_weights(confidence_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, N]: 1 / (1 + expected accepted slots) of each anchor block, from the confidence head's c_k = P(slot k
+    accepted | slots < k accepted), detached. Decoding starts a round where the last one ended, so it visits an
+    anchor about once every τ tokens: blocks the draft finds hard are visited (and cost rounds) more often than
+    their share of uniformly sampled anchors. Weighting blocks by 1 / τ̂ trains on the decoding walk's mix."""
+    accept = torch.sigmoid(confidence_logits.detach().float()) * mask  # an unsupervised slot ends the product
+    return 1.0 / (1.0 + accept.cumprod(dim=-1).sum(dim=-1))
+
+
 def block_draft_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
-    normalization: str = "token", max_rows: int | None = None,
+    normalization: str = "token", max_rows: int | None = None, anchor_weighting: str = "uniform",
 ) -> DraftLossOutput:
-    """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring; `normalization`: `_normalized`)."""
+    """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring; `normalization`: `_normalized`).
+
+    anchor_weighting: "uniform" (every anchor block alike) or "walk" (each block weighted by `walk_block_weights`,
+    before normalization; needs the confidence head, i.e. DSpark)."""
     cfg = draft.config
     hidden = outputs.hidden_states  # [B, N, K, d]
     K, d = hidden.shape[-2], hidden.shape[-1]
     mask = outputs.eval_mask.float()  # [B, N, K]
-    weight, world = _normalized(mask * slot_weights(K, cfg.loss_decay_gamma, hidden.device), normalization, 0)
+    slot_weight = mask * slot_weights(K, cfg.loss_decay_gamma, hidden.device)
+    if anchor_weighting not in ANCHOR_WEIGHTINGS:
+        raise ValueError(f"anchor_weighting must be one of {', '.join(ANCHOR_WEIGHTINGS)}, got {anchor_weighting!r}")
+    if anchor_weighting == "walk":
+        if outputs.confidence_logits is None:
+            raise ValueError(
+                "anchor_weighting='walk' reads the draft's confidence head, and this draft has none: use it with "
+                "DSpark (enable_confidence_head=True), or keep anchor_weighting='uniform'"
+            )
+        slot_weight = slot_weight * walk_block_weights(outputs.confidence_logits, mask)[..., None]
+    weight, world = _normalized(slot_weight, normalization, 0)
     row_w = (weight * world).reshape(-1)
 
     target_hidden = outputs.target_hidden_states
@@ -548,9 +575,14 @@ def block_draft_loss(
 
 def eagle3_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
-    normalization: str = "token", max_rows: int | None = None,
+    normalization: str = "token", max_rows: int | None = None, anchor_weighting: str = "uniform",
 ) -> DraftLossOutput:
     """Eagle3 training-time-test objective from an `Eagle3Output` (see the module docstring)."""
+    if anchor_weighting != "uniform":
+        raise ValueError(
+            f"anchor_weighting={anchor_weighting!r} weights anchor blocks, and Eagle3 trains on every position: "
+            "keep anchor_weighting='uniform' for Eagle3"
+        )
     cfg = draft.config
     hidden = outputs.hidden_states  # [J, B, T, d]
     J, d = hidden.shape[0], hidden.shape[-1]
@@ -601,6 +633,7 @@ def draft_loss(draft, outputs, **kwargs) -> DraftLossOutput:
 
 
 __all__ = [
+    "ANCHOR_WEIGHTINGS",
     "DEFAULT_CHUNK_ELEMENTS",
     "DraftLossOutput",
     "BACKENDS",
@@ -613,4 +646,5 @@ __all__ = [
     "fused_head_loss",
     "global_sum",
     "slot_weights",
+    "walk_block_weights",
 ]

@@ -157,6 +157,14 @@ class DraftTrainer(Trainer):
             )
         if target_model is not None:
             model.check_target(target_model)
+        if getattr(args, "anchor_weighting", "uniform") == "walk" and not getattr(
+            model.config, "enable_confidence_head", False
+        ):
+            raise ValueError(
+                f"anchor_weighting='walk' weights anchor blocks by the draft's confidence head, and this "
+                f"{model.config.model_type} draft has none: train DSpark (with its confidence head), or keep "
+                "anchor_weighting='uniform'"
+            )
         datasets_ = {"train_dataset": train_dataset}
         if isinstance(eval_dataset, dict):
             datasets_.update({f"eval_dataset[{k}]": v for k, v in eval_dataset.items()})
@@ -294,6 +302,7 @@ class DraftTrainer(Trainer):
                 compile=getattr(self.args, "compile_loss", False),
                 backend=getattr(self.args, "loss_backend", "auto"),
                 normalization=getattr(self.args, "loss_normalization", "token"),
+                anchor_weighting=getattr(self.args, "anchor_weighting", "uniform"),
                 max_rows=max_rows,
             )
         self._record(mode, result)
