@@ -178,6 +178,21 @@ def test_draft_draw_ops_round_counts_a_whole_round_with_the_target_apart(tmp_pat
     assert rows[0.0]["other_operators"] < rows[1.0]["other_operators"]
 
 
+def test_verify_cost_smoke_times_every_case_with_both_spare_passes(tmp_path):
+    """benchmarks/verify_cost.py --device cpu --smoke: block and token verification and the spare pass alone, each
+    with the fused and the PyTorch spare pass (on CPU both are PyTorch: same sums), eagerly (no graphs on CPU)."""
+    module = load_script("benchmarks/verify_cost.py")
+    out = tmp_path / "verify_cost.json"
+    report = module.main(["--device", "cpu", "--smoke", "--repeats", "2", "--output", str(out)])
+    assert json.loads(out.read_text())["command"].startswith("verify_cost.py --device cpu --smoke")
+    assert report["hardware"]["torch"] and report["fused_backend"] == "torch"
+    assert report["fused_vs_torch_spare"] == {"max_abs": 0.0, "max_rel": 0.0}
+    cases = [(r["case"], r["spare"]) for r in report["rows"]]
+    assert cases == [(c, s) for c in ("verify block", "verify token", "spare pass") for s in ("fused", "torch")]
+    for row in report["rows"]:
+        assert row["eager"]["repeats"] == 2 and row["eager"]["ms_median"] > 0 and "graph" not in row, row
+
+
 def test_regenerate_speed_smoke_times_every_mode(tmp_path):
     """benchmarks/regenerate_speed.py --smoke: every mode answers every prompt, and greedy in float32 they cut the
     same answers at the limit, so the timing compares like with like."""

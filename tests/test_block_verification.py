@@ -6,19 +6,32 @@ enumeration, and "lossless" means that this output, continued by the target itse
 distributed as the target's own continuation. `verify_block` is then sampled on many rows at once and compared
 with that law (chi-square), with rows that verify fewer slots chosen from their own drafts, as a confidence
 scheduler does.
+
+The spare mass S_k (`spare_mass.py`) is checked against its PyTorch expression: on CPU through the fallback, and
+through the Triton kernel on CUDA or, without CUDA, under Triton's interpreter in a child pytest process
+(TRITON_INTERPRET=1 must be set before the kernel is defined and must not leak into the other tests).
 """
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from generation_utils import chi_square_test
 
+from hf_dspark.generation import spare_mass as spare_module
 from hf_dspark.generation.rejection import verify_block
+from hf_dspark.generation.spare_mass import spare_mass, torch_spare_mass
 
 V, N = 3, 3  # vocabulary, draft slots per round
 ROWS = 200_000
 P_MIN = 1e-4
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+KERNEL_RUNNABLE = torch.cuda.is_available() or INTERPRETED
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+kernel = pytest.mark.skipif(not KERNEL_RUNNABLE, reason="no CUDA: run by test_spare_mass_kernel_under_the_interpreter")
 
 
 def _tables(seed, sharp=2.0):
@@ -152,3 +165,154 @@ def test_an_unknown_verification_method_is_refused():
     with pytest.raises(ValueError, match="'block', 'token'"):
         drafts, probs, caps = torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1, V), 1 / V), torch.ones(1).long()
         verify_block(scores, drafts, probs, caps, do_sample=True, method="tree")
+
+
+# -- the spare mass S_k: one fused pass on CUDA, the PyTorch expression elsewhere ---------------------------------
+
+
+def _spare_inputs(rows=3, slots=4, vocab=300, seed=0, device="cpu"):
+    """weight [R, K], p [R, K, V], q [R, K, V] as verify_block slices them: p a slot range of a contiguous
+    [R, K+2, V] tensor, q of a [R, K+3, V] one (strided along the slots), weight a column range of [R, K+2]; the
+    weights include exact 0 (a token the target never draws) and 1 (no weight lost yet)."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(2 * torch.randn(rows, slots + 2, vocab, generator=g), -1)[:, 1 : slots + 1]
+    q = torch.softmax(2 * torch.randn(rows, slots + 3, vocab, generator=g), -1)[:, :slots]
+    weight = torch.rand(rows, slots + 2, generator=g)[:, 1 : slots + 1]
+    weight[0, 0], weight[-1, -1], weight[1, :] = 0.0, 1.0, torch.tensor([1.0, 0.0] * (slots // 2) + [1.0] * (slots % 2))
+    return weight.to(device), p.to(device), q.to(device)
+
+
+def test_spare_mass_on_cpu_is_the_pytorch_expression_bit_for_bit():
+    weight, p, q = _spare_inputs()
+    assert not q.is_contiguous() and p.shape[-1] % 64
+    expected = (weight[:, :, None] * p - q).clamp_min(0).sum(dim=-1)
+    for backend in (None, "auto", "torch"):
+        assert torch.equal(spare_mass(weight, p, q, backend=backend), expected)
+    # w = 0 leaves nothing to spare; w = 1 spares the total variation distance between p and q.
+    assert torch.equal(spare_mass(weight, p, q)[0, 0], torch.tensor(0.0))
+    tv = (p[-1, -1] - q[-1, -1]).abs().sum() / 2
+    torch.testing.assert_close(spare_mass(weight, p, q)[-1, -1], tv)
+
+
+def test_spare_mass_backends_and_errors_name_the_fix(monkeypatch):
+    weight, p, q = _spare_inputs()
+    with pytest.raises(ValueError, match="auto, triton, torch"):
+        spare_mass(weight, p, q, backend="cuda")
+    if not KERNEL_RUNNABLE:
+        with pytest.raises(ValueError, match="backend 'torch' or 'auto'"):
+            spare_mass(weight, p, q, backend="triton")
+    assert spare_module.resolve_backend(weight, p, q) == "torch"  # CPU: auto is torch, interpreted or not
+    # The module default decides for callers that name no backend (verify_block; the benchmark switches it).
+    monkeypatch.setattr(spare_module, "DEFAULT_BACKEND", "torch")
+    assert spare_module.resolve_backend(weight.to(KERNEL_DEVICE), p.to(KERNEL_DEVICE), q.to(KERNEL_DEVICE)) == "torch"
+
+
+def test_spare_mass_auto_falls_back_to_torch_when_the_kernel_fails(monkeypatch, caplog):
+    """Backend "auto" always gives the sums: a kernel failure (a compiler error on a new GPU) switches to torch for
+    good; "triton" raises it."""
+    pytest.importorskip("triton")
+    from hf_dspark.generation import triton_spare_mass
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel failed to compile")
+
+    monkeypatch.setattr(spare_module, "resolve_backend", lambda w, p, q, backend: backend.replace("auto", "triton"))
+    monkeypatch.setattr(triton_spare_mass, "triton_spare_mass", broken)
+    monkeypatch.setattr(spare_module, "_TRITON_FAILED", False)
+    weight, p, q = _spare_inputs()
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        spare_mass(weight, p, q, backend="triton")
+    assert not spare_module._TRITON_FAILED
+    with caplog.at_level("WARNING"):
+        got = spare_mass(weight, p, q)
+    assert spare_module._TRITON_FAILED and "failed to compile" in caplog.text
+    assert torch.equal(got, torch_spare_mass(weight, p, q))
+
+
+def test_spare_mass_kernel_under_the_interpreter():
+    if KERNEL_RUNNABLE:
+        pytest.skip("the kernel cases run in this process")
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")}
+    cases = "spare_mass_kernel_ and not under_the_interpreter and not cuda_graph"  # the cases a kernel runs in
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", cases]
+    proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(__file__), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    last = proc.stdout.splitlines()[-1]
+    assert "passed" in last and "skipped" not in last, proc.stdout[-2000:]  # every case really ran
+
+
+@kernel
+@pytest.mark.parametrize("splits", [1, 3, None], ids=["one_split", "three_splits", "auto_splits"])
+@pytest.mark.parametrize("block_v", [64, None], ids=["block64", "default_block"])
+@pytest.mark.parametrize("vocab", [1, 300, 1024])
+def test_spare_mass_kernel_matches_the_pytorch_expression(vocab, block_v, splits):
+    """V below, above and at a multiple of the block; the vocabulary in one range or split across programs (with
+    splits past the blocks there are); q strided along the slots; weights 0, 1 and in between."""
+    from hf_dspark.generation.triton_spare_mass import triton_spare_mass
+
+    weight, p, q = _spare_inputs(vocab=vocab, device=KERNEL_DEVICE)
+    kw = {"num_splits": splits} if block_v is None else {"num_splits": splits, "block_v": block_v}
+    got = triton_spare_mass(weight, p, q, **kw)
+    assert got.dtype == torch.float32 and got.shape == weight.shape
+    torch.testing.assert_close(got, torch_spare_mass(weight, p, q), rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[0, 0], torch.zeros((), device=KERNEL_DEVICE))  # weight 0: exactly nothing to spare
+
+
+def test_spare_mass_splits_fill_the_gpu_and_leave_none_empty(monkeypatch):
+    """Few rows split the vocabulary to give every multiprocessor programs; many rows, or a small vocabulary, don't."""
+    module = pytest.importorskip("hf_dspark.generation.triton_spare_mass")
+    monkeypatch.setattr(module, "_multiprocessors", lambda device: 132)  # an H100's
+    cuda, wanted = torch.device("cuda"), module.PROGRAMS_PER_SM * 132
+    splits = module.num_splits_for(6, 151_936, cuda, block_v=1024)  # batch 1, 6 slots
+    assert splits * 6 <= wanted < (splits + 1) * 6
+    assert module.num_splits_for(6, 3000, cuda, block_v=1024) == 3  # never more splits than blocks
+    assert module.num_splits_for(16 * 6, 151_936, cuda) == max(1, wanted // 96)  # batch 16: unsplit at 1 per SM
+    assert module.num_splits_for(wanted, 151_936, cuda) == 1  # a program per (row, slot) fills the GPU already
+
+
+@kernel
+def test_spare_mass_kernel_takes_any_layout():
+    """Rows strided, a vocabulary that is not unit-stride (copied), empty outputs, and the "triton" backend."""
+    weight, p, q = _spare_inputs(rows=4, slots=3, vocab=200, device=KERNEL_DEVICE)
+    expected = torch_spare_mass(weight, p, q)
+    q_columns = q.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, vocabulary stride K
+    assert q_columns.stride(-1) != 1
+    torch.testing.assert_close(spare_mass(weight, p, q_columns, backend="triton"), expected, rtol=1e-5, atol=1e-6)
+    every_other = spare_mass(weight[::2], p[::2], q[::2], backend="triton")
+    torch.testing.assert_close(every_other, expected[::2], rtol=1e-5, atol=1e-6)
+    assert spare_mass(weight[:, :0], p[:, :0], q[:, :0], backend="triton").shape == (4, 0)
+
+
+@kernel
+def test_spare_mass_kernel_inside_verify_block_changes_no_outcome(monkeypatch):
+    """Block verification with the kernel draws the same prefixes and tokens as with the PyTorch expression (same
+    seed): the sums differ by rounding only."""
+    rows, n, vocab = 64, 4, 97
+    g = torch.Generator().manual_seed(3)
+    scores = (2 * torch.randn(rows, n + 1, vocab, generator=g)).to(KERNEL_DEVICE)
+    probs = torch.softmax(scores[:, :n] + torch.randn(rows, n, vocab, generator=g).to(KERNEL_DEVICE), -1)
+    drafts = torch.multinomial(probs.reshape(-1, vocab), 1).view(rows, n)
+    caps = torch.randint(0, n + 1, (rows,), generator=g).to(KERNEL_DEVICE)
+    results = []
+    for backend in ("triton", "torch"):
+        monkeypatch.setattr(spare_module, "DEFAULT_BACKEND", backend)
+        gen = torch.Generator(KERNEL_DEVICE).manual_seed(0)
+        results.append(verify_block(scores, drafts, probs, caps, do_sample=True, generator=gen))
+    assert torch.equal(results[0].num_accepted, results[1].num_accepted)
+    assert torch.equal(results[0].next_tokens, results[1].next_tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_spare_mass_kernel_replays_in_a_cuda_graph():
+    """The launch captures (no host sync, no allocation but its output) and a replay reads the buffers' new values."""
+    from hf_dspark.generation.cuda_graphs import capture
+
+    weight, p, q = _spare_inputs(rows=16, slots=6, vocab=49_152, device="cuda")
+    graph, out = capture(lambda: spare_mass(weight, p, q, backend="triton"))
+    fresh = _spare_inputs(rows=16, slots=6, vocab=49_152, seed=1, device="cuda")
+    for buffer, value in zip((weight, p, q), fresh, strict=True):
+        buffer.copy_(value)
+    graph.replay()
+    torch.testing.assert_close(out, torch_spare_mass(*fresh), rtol=1e-5, atol=1e-6)

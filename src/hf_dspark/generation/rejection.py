@@ -20,6 +20,8 @@ Every decoding path (batch 1, batched, calibration rollouts, benchmarks) verifie
 
 Rows verify different numbers of slots (`num_proposed`, chosen by a scheduler before verification and never
 from tokens after the slot it admits); slots beyond a row's count are ignored. Fully vectorized: no host syncs.
+Block sampling's S_k, a pass over the vocabulary for every slot, run as one fused kernel on CUDA (`spare_mass.py`:
+the same sums as the PyTorch expression, added in another order).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling import sample_from
+from .spare_mass import spare_mass
 
 VERIFICATIONS = ("block", "token")
 
@@ -110,7 +113,7 @@ def _block_prefix(p, q, p_x, q_x, u, num_proposed):
     walk = torch.cat([steps.new_zeros(rows, 1), steps.cumsum(dim=-1)], dim=1)  # c_0..c_n
     weight = torch.exp(walk - walk.cummax(dim=-1).values)  # [R, n+1]: w_0..w_n
     # h_k for k = 1..n-1 reads slot k+1's distributions; the row's last proposed slot ends with probability w_n.
-    spare = (weight[:, 1:n, None] * p[:, 1:n] - q[:, 1:n]).clamp_min(0).sum(dim=-1)  # [R, n-1]: S_1..S_{n-1}
+    spare = spare_mass(weight[:, 1:n], p[:, 1:n], q[:, 1:n])  # [R, n-1]: S_1..S_{n-1}
     denominator = spare + 1 - weight[:, 1:n]
     stop = torch.where(denominator > 1e-12, spare / denominator.clamp_min(1e-30), torch.ones_like(spare))
     stop = torch.cat([stop, stop.new_zeros(rows, 1)], dim=1)  # [R, n]: h_1..h_n; each row's last slot takes w below
