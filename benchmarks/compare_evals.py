@@ -8,6 +8,11 @@ batches), milliseconds per batch round after the prefill, and tokens per second.
 far as it shortens the slowest rows, and only if a round does not cost more: the last two columns tell which.
 
     python benchmarks/compare_evals.py token=runs/token block=runs/block --json results/compare.json
+
+Drafts decoded side by side in one eval (same prompts, same per-batch seeds) pair the same way: name the run once
+per draft and pick each one's drafter in order,
+
+    python benchmarks/compare_evals.py base=runs/eval walk=runs/eval --drafter baseline walk_weighting
 """
 
 from __future__ import annotations
@@ -85,11 +90,16 @@ def summarize(rows: list[dict], batch_size: int) -> dict:
     }
 
 
-def compare(runs: dict[str, dict], drafter: str | None = None) -> dict:
+def compare(runs: dict[str, dict], drafter: str | list[str] | None = None) -> dict:
+    """drafter: the one to compare in every run (None: each run's only one), or a list with one per run."""
     check_paired(runs)
     reference = next(iter(runs))
     batch_size = runs[reference]["settings"]["batch_size"]
-    rows = {label: draft_rows(run, drafter) for label, run in runs.items()}
+    drafters = drafter if isinstance(drafter, list) else [drafter] * len(runs)
+    if len(drafters) != len(runs):
+        raise ValueError(f"--drafter takes one name for every run or one per run: got {len(drafters)} for "
+                         f"{len(runs)} runs")  # fmt: skip
+    rows = {label: draft_rows(run, name) for (label, run), name in zip(runs.items(), drafters)}
     out = {}
     for temp in runs[reference]["settings"]["temperatures"]:
         at = {label: sorted((r for r in rs if r["temperature"] == temp), key=lambda r: r["dataset"])
@@ -124,7 +134,8 @@ def print_table(result: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", metavar="LABEL=PATH", help="eval runs; the first is the reference")
-    p.add_argument("--drafter", default=None, help="the drafter to compare when a run holds several")
+    p.add_argument("--drafter", nargs="+", default=None, metavar="NAME",
+                   help="the drafter to compare when a run holds several: one for every run, or one per run in order")
     p.add_argument("--json", default=None, help="write the comparison here")
     args = p.parse_args(argv)
     if len(args.runs) < 2:
@@ -132,7 +143,7 @@ def main(argv=None) -> int:
     runs = dict(load_run(spec) for spec in args.runs)
     if len(runs) < len(args.runs):
         p.error("run labels must differ")
-    result = compare(runs, args.drafter)
+    result = compare(runs, args.drafter[0] if args.drafter and len(args.drafter) == 1 else args.drafter)
     print_table(result)
     if args.json:
         first = next(iter(runs.values()))
@@ -142,6 +153,7 @@ def main(argv=None) -> int:
             "hardware": first.get("hardware"),
             "runs": {label: {"command": run.get("command"), "generate_kwargs": run["settings"].get("generate_kwargs")}
                      for label, run in runs.items()},  # fmt: skip
+            "drafter": args.drafter,
             "temperatures": result,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -233,15 +233,20 @@ def test_acceptance_depth_reads_both_report_forms_and_models_tau(tmp_path):
         depth.main(["--report", report, "--drafters", "baseline", "nope"])
 
 
-def _eval_run(path: Path, rounds: list[int], committed: list[int], wall: float, **settings) -> Path:
-    """A minimal `hf-dspark eval` results.json: one drafter, one dataset of four prompts in batches of two."""
+def _eval_row(rounds: list[int], committed: list[int], wall: float, drafter: str = "dspark") -> dict:
+    return {"drafter": drafter, "dataset": "gsm8k", "temperature": 1.0, "tau": sum(committed) / sum(rounds),
+            "rounds": sum(rounds), "new_tokens": sum(committed), "wall_time_s": wall, "prefill_time_s": 0.1,
+            "tokens_per_s": sum(committed) / wall, "tau_by_request": {"rounds": rounds, "committed": committed}}  # fmt: skip
+
+
+def _eval_run(path: Path, rounds: list[int], committed: list[int], wall: float, extra_rows=(), **settings) -> Path:
+    """A minimal `hf-dspark eval` results.json: one drafter (plus `extra_rows`), one dataset of four prompts in
+    batches of two."""
     base = {"datasets": {"gsm8k": "x.jsonl"}, "num_prompts": {"gsm8k": 4}, "max_new_tokens": 8, "seed": 0,
             "temperatures": [1.0], "top_k": 0, "top_p": 1.0, "batch_size": 2, "generate_kwargs": {}}  # fmt: skip
-    row = {"drafter": "dspark", "dataset": "gsm8k", "temperature": 1.0, "tau": sum(committed) / sum(rounds),
-           "rounds": sum(rounds), "new_tokens": sum(committed), "wall_time_s": wall, "prefill_time_s": 0.1,
-           "tokens_per_s": sum(committed) / wall, "tau_by_request": {"rounds": rounds, "committed": committed}}  # fmt: skip
+    rows = [_eval_row(rounds, committed, wall), *extra_rows]
     path.mkdir()
-    (path / "results.json").write_text(json.dumps({"settings": {**base, **settings}, "results": [row]}))
+    (path / "results.json").write_text(json.dumps({"settings": {**base, **settings}, "results": rows}))
     return path
 
 
@@ -263,3 +268,18 @@ def test_compare_evals_pairs_prompts_and_counts_each_batch_by_its_slowest_row(tm
         compare.main([f"token={token}", f"other={other}"])
     with pytest.raises(ValueError, match="not LABEL=PATH"):
         compare.main([str(token), f"block={block}"])
+
+
+def test_compare_evals_pairs_drafters_decoded_side_by_side_in_one_run(tmp_path):
+    compare = load_script("benchmarks/compare_evals.py")
+    both = _eval_run(tmp_path / "both", [4, 4, 4, 4], [8, 8, 8, 8], wall=0.9,
+                     extra_rows=[_eval_row([2, 4, 3, 3], [8, 8, 8, 8], wall=0.8, drafter="walk")])  # fmt: skip
+    with pytest.raises(ValueError, match="pick one with --drafter"):
+        compare.main([f"a={both}", f"b={both}"])
+    out = tmp_path / "cmp.json"
+    assert compare.main([f"base={both}", f"walk={both}", "--drafter", "dspark", "walk", "--json", str(out)]) == 0
+    table = json.loads(out.read_text())["temperatures"]["1"]
+    assert table["base"]["mean_tau"] == pytest.approx(2) and table["walk"]["mean_tau"] == pytest.approx(32 / 12)
+    assert table["walk"]["tau_vs_reference"]["difference"] == pytest.approx(32 / 12 - 2)
+    with pytest.raises(ValueError, match="one name for every run or one per run"):
+        compare.main([f"base={both}", f"walk={both}", "--drafter", "dspark", "walk", "dspark"])
