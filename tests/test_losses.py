@@ -527,7 +527,7 @@ def test_backend_choice_and_errors_name_the_fix():
     with pytest.raises(ValueError, match="auto, triton, torch"):
         fused_head_loss(h, W, labels, w, backend="cuda")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(ValueError, match="backend='torch' or 'auto'"):
+        with pytest.raises(ValueError, match="backend 'torch' or 'auto'"):
             fused_head_loss(h, W, labels, w, backend="triton")
     with pytest.raises(ValueError, match="fp32 inputs, got torch.float64"):
         fused_head_loss(h.double().cuda() if torch.cuda.is_available() else h.double(), W.double(), labels, w,

@@ -23,9 +23,11 @@ import logging
 
 import torch
 
+from ..kernel_backends import KERNEL_BACKENDS, choose_kernel_backend
+
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = KERNEL_BACKENDS
 DEFAULT_BACKEND = "auto"
 _TRITON_FAILED = False  # set when "auto" saw the kernel fail: later calls go straight to torch
 
@@ -38,27 +40,9 @@ def torch_spare_mass(weight: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> 
 def resolve_backend(weight: torch.Tensor, p: torch.Tensor, q: torch.Tensor, backend: str | None = None) -> str:
     """The backend that runs for these inputs, "triton" or "torch" (module docstring); errors name the fix."""
     backend = DEFAULT_BACKEND if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"spare-mass backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "torch":
-        return "torch"
-    if backend == "auto" and (_TRITON_FAILED or not p.is_cuda or torch.compiler.is_compiling()):
-        return "torch"
-    try:
-        from .triton_spare_mass import unsupported_reason
-    except Exception as err:  # noqa: BLE001 - a broken triton install must not stop "auto"
-        if backend == "auto":
-            return "torch"
-        raise ValueError(
-            f"spare-mass backend 'triton' needs a working triton install ({type(err).__name__}: {err}): "
-            "`pip install triton`, or use backend 'torch'"
-        ) from err
-    reason = unsupported_reason(weight, p, q)
-    if reason is None:
-        return "triton"
-    if backend == "auto":
-        return "torch"
-    raise ValueError(f"spare-mass backend 'triton' cannot run here: {reason}. Use backend 'torch' or 'auto'")
+    prefer_torch = _TRITON_FAILED or not p.is_cuda or torch.compiler.is_compiling()
+    return choose_kernel_backend("spare-mass", backend, f"{__package__}.triton_spare_mass", (weight, p, q),
+                                 prefer_torch=prefer_torch)  # fmt: skip
 
 
 def spare_mass(weight: torch.Tensor, p: torch.Tensor, q: torch.Tensor, backend: str | None = None) -> torch.Tensor:

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from .loss_buffers import DEFAULT_CHUNK_ELEMENTS, _addmm_acc_, _mm_acc, chunk_rows
 
+from ..kernel_backends import KERNEL_BACKENDS, choose_kernel_backend
 from ..metrics import training_acceptance_estimates
 
 logger = logging.getLogger(__name__)
@@ -259,30 +260,14 @@ def _compute_dtype(tensor: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = KERNEL_BACKENDS
 
 
 def resolve_backend(backend: str, hidden: torch.Tensor, lm_weight: torch.Tensor, target_hidden, dtype) -> str:
     """"triton" or "torch" for these inputs (see the module docstring); errors name the fix."""
-    if backend not in BACKENDS:
-        raise ValueError(f"loss backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if backend == "torch" or (backend == "auto" and (not hidden.is_cuda or _TRITON_FAILED)):
-        return "torch"
-    try:
-        from .triton_head_loss import unsupported_reason
-    except Exception as err:  # noqa: BLE001 - a broken triton install must not stop "auto"
-        if backend == "auto":
-            return "torch"
-        raise ValueError(
-            f"loss backend 'triton' needs a working triton install ({type(err).__name__}: {err}): "
-            "`pip install triton`, or use backend='torch'"
-        ) from err
-    reason = unsupported_reason(hidden, lm_weight, target_hidden, dtype)
-    if reason is None:
-        return "triton"
-    if backend == "auto":
-        return "torch"
-    raise ValueError(f"loss backend 'triton' cannot run here: {reason}. Use backend='torch' or 'auto'")
+    return choose_kernel_backend("loss", backend, f"{__package__}.triton_head_loss",
+                                 (hidden, lm_weight, target_hidden, dtype),
+                                 prefer_torch=not hidden.is_cuda or _TRITON_FAILED)  # fmt: skip
 
 
 def fused_head_loss(
