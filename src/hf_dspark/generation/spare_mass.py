@@ -4,7 +4,8 @@ Eagerly, or replayed in a CUDA graph, the PyTorch expression is four kernels (mu
 each streaming [R, K, V] fp32 tensors through memory: at R 16, K 6, V 49,152 about 19 MB apiece, some 4% of a
 batch-16 sampled round on an H100 (3.88 against 3.73 ms). On CUDA one Triton kernel (`triton_spare_mass.py`) reads
 p and q once and writes [R, K]: replayed in a graph at those shapes, a sampled `verify_block` took 0.196 ms against
-0.226 with the expression (H100, benchmarks/verify_cost.py, with BLOCK_V 2048 before the block size was tuned).
+0.226 with the expression (H100, benchmarks/verify_cost.py, with BLOCK_V 2048 before the block size was tuned);
+with the kernel as shipped, 0.171 against 0.208 on an H200 (0.175 against 0.186 at R 1, V 151,936).
 
 Eagerly the kernel does not pay at that size: a Triton launch costs the host about 40 us more than the
 expression's four, and an eager sampled `verify_block` took 0.405 ms with it against 0.354 (at R 32, 0.401 against
