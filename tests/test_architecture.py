@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 # its neighbours; never a unit of its own layer or one above. `<stage>.cli` modules form the top layer. The package
 # root is the public facade: it imports every layer (the later stages lazily), and only the CLI imports it.
 LAYERS = [
-    ("shared math", ["_lazy", "metrics", "sampling", "target", "grouped_sdpa", "resources", "paths", "compilation"]),
+    ("shared math", ["_lazy", "metrics", "sampling", "target", "grouped_sdpa", "resources", "paths", "compilation",
+                     "kernel_backends"]),
     ("models", ["models"]),
     ("data", ["data"]),
     ("training and generation", ["training", "generation"]),
