@@ -41,3 +41,22 @@ def test_draft_for_smollm2_runs_on_a_real_chat_prompt(cls, smollm2):
     assert torch.equal(proposal.tokens, proposal.logits.argmax(-1))
     if cls is DSparkModel:
         assert proposal.confidences.shape == (1, 7)
+
+
+def test_text_generation_pipeline_takes_a_draft_and_answers_as_the_target_alone(smollm2):
+    """`pipeline("text-generation", ..., assistant_model=draft)`, chat messages in and a batch of two, decodes with
+    hf_dspark's loop (its statistics are set) and answers word for word as the pipeline without the draft."""
+    from transformers import pipeline
+
+    target, tokenizer = smollm2
+    draft = DSparkModel.from_target(target, num_hidden_layers=1)
+    chats = [
+        [{"role": "user", "content": "What is 12 times 7?"}],
+        [{"role": "user", "content": "Name a colour of the sky at noon, in one word."}],
+    ]
+    kw = dict(max_new_tokens=10, do_sample=False, batch_size=2)
+    expected = pipeline("text-generation", model=target, tokenizer=tokenizer)(chats, **kw)
+    draft.last_generation_stats = None
+    with_draft = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=draft)(chats, **kw)
+    assert with_draft == expected
+    assert draft.last_generation_stats is not None and draft.last_generation_stats.acceptance.rounds > 0
