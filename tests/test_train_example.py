@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,9 +62,12 @@ def common_flags(root: Path, output: str, algorithm: str) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(root: Path, num_processes: int, flags: list[str]) -> str:
+def launch(root: Path, num_processes: int, flags: list[str], config: Path | None = None) -> str:
+    """`accelerate launch` of the example; `config`: an accelerate config file to place the processes instead."""
     accelerate = Path(sys.executable).parent / "accelerate"
-    if num_processes > 1:  # torchrun-style processes; on CPU they talk through gloo
+    if config is not None:
+        placement = ["--config_file", str(config), "--num_processes", str(num_processes)]
+    elif num_processes > 1:  # torchrun-style processes; on CPU they talk through gloo
         placement = ["--multi_gpu", "--num_processes", str(num_processes)]
     else:
         placement = ["--cpu", "--num_processes", "1"]
@@ -96,6 +100,30 @@ def test_example_builds_a_cache_and_trains_from_it_in_two_gloo_processes(tiny_se
     assert "loss_conf" in out  # the DSpark objective ran under DDP (Markov W2 gets its gradient outside forward)
     draft = AutoModel.from_pretrained(tiny_setup / "cached")
     assert isinstance(draft, DSparkModel)
+
+
+@pytest.mark.slow
+def test_example_trains_under_deepspeed_zero3_as_under_ddp(tiny_setup):
+    """examples/configs/deepspeed_zero3.yaml, the README's ZeRO-3 command, in two gloo processes: the frozen target
+    loads whole on each process, and the draft's weights, sharded, follow the same steps as under DDP. The Markov
+    head's W2, read by the loss outside any module forward, must get its gradient: Adam moves a trained weight by
+    about the learning rate (6e-4) a step, so a W2 left behind would miss the tolerance by 10x."""
+    pytest.importorskip("deepspeed")
+    flags = common_flags(tiny_setup, "zero3", "dspark") + ["--num_hidden_layers", "1", "--warmup_steps", "0"]
+    flags[flags.index("--max_steps") + 1] = "3"
+    zero3 = launch(tiny_setup, 2, flags, config=REPO / "examples" / "configs" / "deepspeed_zero3.yaml")
+    flags[flags.index("--output_dir") + 1] = str(tiny_setup / "zero3_ddp")
+    ddp = launch(tiny_setup, 2, flags)
+
+    def losses(out: str) -> list[float]:
+        return [float(v) for v in re.findall(r"'loss': '([0-9.]+)'", out)]
+
+    assert len(losses(zero3)) == 3 and losses(zero3) == pytest.approx(losses(ddp), abs=2e-3)
+    sharded = AutoModel.from_pretrained(tiny_setup / "zero3").state_dict()
+    replicated = AutoModel.from_pretrained(tiny_setup / "zero3_ddp").state_dict()
+    assert sharded.keys() == replicated.keys()
+    for name in sharded:
+        torch.testing.assert_close(sharded[name], replicated[name], rtol=0, atol=1e-4, msg=name)
 
 
 def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):

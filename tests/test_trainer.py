@@ -971,3 +971,34 @@ def test_the_summary_says_how_long_the_first_step_took_to_come(tmp_path):
     assert trainer.startup_s is not None and summary["startup_s"] == round(trainer.startup_s, 1) > 0
     first_loss_at = next(h["elapsed_s"] for h in trainer.state.log_history if "loss" in h)  # logged after step 1
     assert trainer.first_step_s <= first_loss_at + 0.05
+
+
+def test_zero3_init_disabled_lets_a_model_load_whole_and_restores_zero3(tmp_path):
+    """Once a ZeRO-3 config is registered (TrainingArguments under `accelerate launch` with a DeepSpeed config do
+    it), transformers loads every model partitioned; inside `zero3_init_disabled` it loads whole."""
+    pytest.importorskip("deepspeed")  # transformers' DeepSpeed config object needs it (the dev extra installs it)
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    from hf_dspark.training import zero3_init_disabled
+
+    with zero3_init_disabled():  # nothing registered: nothing to do
+        assert not is_deepspeed_zero3_enabled()
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        assert is_deepspeed_zero3_enabled()
+        with zero3_init_disabled():
+            assert not is_deepspeed_zero3_enabled()
+        assert is_deepspeed_zero3_enabled()
+        with pytest.raises(RuntimeError, match="inside"), zero3_init_disabled():
+            raise RuntimeError("inside")
+        assert is_deepspeed_zero3_enabled()  # restored after an error too
+    finally:
+        unset_hf_deepspeed_config()
+    del config
+
+
+def test_a_target_partitioned_by_zero3_is_refused_with_the_fix(tmp_path):
+    target = make_tiny_target("llama")
+    next(target.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on every weight it partitions
+    with pytest.raises(ValueError, match="partitioned by DeepSpeed ZeRO-3.*zero3_init_disabled"):
+        DraftTrainer(args=make_args(tmp_path), train_dataset=tokenized_rows(), target_model=target)

@@ -8,7 +8,7 @@ _EXPORTS = {
     **dict.fromkeys(["DraftDataCollator"], ".collator"),
     **dict.fromkeys(["DraftLossOutput", "block_draft_loss", "draft_loss", "eagle3_loss", "fused_head_loss"], ".losses"),
     **dict.fromkeys(["DraftScriptArguments", "train_draft", "training_argument_parser"], ".script"),
-    **dict.fromkeys(["DraftTrainer", "build_draft"], ".trainer"),
+    **dict.fromkeys(["DraftTrainer", "build_draft", "zero3_init_disabled"], ".trainer"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 
@@ -25,4 +25,5 @@ __all__ = [
     "fused_head_loss",
     "train_draft",
     "training_argument_parser",
+    "zero3_init_disabled",
 ]

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from .arguments import DraftTrainingArguments
-from .trainer import DraftTrainer, build_draft, data_seed, process_age_s, seed_run
+from .trainer import DraftTrainer, build_draft, data_seed, process_age_s, seed_run, zero3_init_disabled
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def load_target(script_args: DraftScriptArguments, training_args: DraftTrainingA
     from ..resources import load_target as load
 
     dtype = script_args.target_dtype or ("bfloat16" if training_args.bf16 else "float32")
-    return load(script_args.target_model, dtype=dtype)
+    with zero3_init_disabled():  # the frozen target runs whole on every process, outside DeepSpeed
+        return load(script_args.target_model, dtype=dtype)
 
 class StartupPhases:
     """Seconds each phase before training took, in order; the run's summary logs them as `startup_<phase>_s`
