@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,27 +104,43 @@ def test_example_builds_a_cache_and_trains_from_it_in_two_gloo_processes(tiny_se
 
 
 @pytest.mark.slow
-def test_example_trains_under_deepspeed_zero3_as_under_ddp(tiny_setup):
+def test_example_trains_under_deepspeed_zero3_as_under_ddp_and_resumes(tiny_setup):
     """examples/configs/deepspeed_zero3.yaml, the README's ZeRO-3 command, in two gloo processes: the frozen target
     loads whole on each process, and the draft's weights, sharded, follow the same steps as under DDP. The Markov
     head's W2, read by the loss outside any module forward, must get its gradient: Adam moves a trained weight by
-    about the learning rate (6e-4) a step, so a W2 left behind would miss the tolerance by 10x."""
+    about the learning rate (6e-4) a step, so a W2 left behind would miss the tolerance by 10x. A run resumed from
+    its ZeRO-3 checkpoint (sharded optimizer states) ends where the uninterrupted run does."""
     pytest.importorskip("deepspeed")
+    zero3_config = REPO / "examples" / "configs" / "deepspeed_zero3.yaml"
     flags = common_flags(tiny_setup, "zero3", "dspark") + ["--num_hidden_layers", "1", "--warmup_steps", "0"]
     flags[flags.index("--max_steps") + 1] = "3"
-    zero3 = launch(tiny_setup, 2, flags, config=REPO / "examples" / "configs" / "deepspeed_zero3.yaml")
-    flags[flags.index("--output_dir") + 1] = str(tiny_setup / "zero3_ddp")
-    ddp = launch(tiny_setup, 2, flags)
+
+    def with_flags(output: str, **changes) -> list[str]:
+        out = list(flags)
+        out[out.index("--output_dir") + 1] = str(tiny_setup / output)
+        for name, value in changes.items():
+            if f"--{name}" in out:
+                out[out.index(f"--{name}") + 1] = value
+            else:
+                out += [f"--{name}", value]
+        return out
+
+    zero3 = launch(tiny_setup, 2, with_flags("zero3", save_strategy="steps", save_steps="2"), config=zero3_config)
+    ddp = launch(tiny_setup, 2, with_flags("zero3_ddp"))
+    shutil.copytree(tiny_setup / "zero3" / "checkpoint-2", tiny_setup / "zero3_resumed" / "checkpoint-2")
+    resumed = launch(tiny_setup, 2, with_flags("zero3_resumed", resume_from_checkpoint="true"), config=zero3_config)
 
     def losses(out: str) -> list[float]:
         return [float(v) for v in re.findall(r"'loss': '([0-9.]+)'", out)]
 
     assert len(losses(zero3)) == 3 and losses(zero3) == pytest.approx(losses(ddp), abs=2e-3)
+    assert losses(resumed) == losses(zero3)[2:]  # only step 3 ran again
     sharded = AutoModel.from_pretrained(tiny_setup / "zero3").state_dict()
-    replicated = AutoModel.from_pretrained(tiny_setup / "zero3_ddp").state_dict()
-    assert sharded.keys() == replicated.keys()
-    for name in sharded:
-        torch.testing.assert_close(sharded[name], replicated[name], rtol=0, atol=1e-4, msg=name)
+    for name, other in [("DDP", "zero3_ddp"), ("resumed", "zero3_resumed")]:
+        weights = AutoModel.from_pretrained(tiny_setup / other).state_dict()
+        assert sharded.keys() == weights.keys()
+        for key in sharded:
+            torch.testing.assert_close(sharded[key], weights[key], rtol=0, atol=1e-4, msg=f"{other}: {key}")
 
 
 def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):
