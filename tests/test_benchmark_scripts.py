@@ -134,19 +134,23 @@ def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
 @pytest.mark.parametrize("axis", ["batch_copy", "intermediate_size"])
 def test_train_throughput_smoke_runs_each_variant_as_asked(tmp_path, axis):
     """benchmarks/train_throughput.py --batch_copy async wait / --intermediate_size A B: two runs, each reporting
-    what the trainer it ran did (read from its arguments and its draft, not from the flag)."""
+    what the trainer it ran did (read from its arguments and its draft, not from the flag). The batch-copy runs also
+    pass one --loss_chunk_elements value (an axis like the others), the width runs keep the trainer's default."""
     from conftest import require_default_target
 
     require_default_target()
     module = load_script("benchmarks/train_throughput.py")
-    values = {"batch_copy": ["async", "wait"], "intermediate_size": ["1536", "768"]}[axis]
+    values = {"batch_copy": ["async", "wait", "--loss_chunk_elements", str(2**28)],
+              "intermediate_size": ["1536", "768"]}[axis]  # fmt: skip
     report = module.main(["--smoke", "--device", "cpu", "--data", str(REPO / "examples/data/demo_answers.jsonl.gz"),
                           f"--{axis}", *values, "--output_dir", str(tmp_path / "drafts"),
                           "--output", str(tmp_path / "throughput.json")])  # fmt: skip
     if axis == "batch_copy":
         assert [run["batch_copy"] for run in report["runs"]] == ["async", "wait"]
+        assert [run["loss_chunk_elements"] for run in report["runs"]] == [2**28, 2**28]
     else:
         assert [run["draft"]["intermediate_size"] for run in report["runs"]] == [1536, 768]
+        assert [run["loss_chunk_elements"] for run in report["runs"]] == [2**26, 2**26]  # the trainer's default
     assert all(run["steps"] == 3 for run in report["runs"])
 
 
