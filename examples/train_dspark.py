@@ -9,7 +9,8 @@ One process, CPU or GPU:
 
 --train_file takes several files or a quoted glob ('data/*.jsonl.gz'). --seed fixes the draft's initialization and
 --data_seed the data order: the same flags give the same run, and `--resume_from_checkpoint true` continues a
-killed run from its newest complete checkpoint.
+killed run from its newest complete checkpoint. SIGTERM or SIGUSR1 (preemption, a scheduler's time limit) saves
+a checkpoint at the next step end and exits with 128 + the signal's number.
 
 Several processes (same flags): `accelerate launch --num_processes 8 examples/train_dspark.py ...`, or with
 `--config_file examples/configs/deepspeed_zero3.yaml` for DeepSpeed ZeRO-3.
@@ -28,6 +29,8 @@ def main():
     script_args, training_args = parser.parse_args_into_dataclasses()
     # train_draft: tokenize conversations -> (build/reuse the target cache) -> DraftTrainer.train() -> save.
     trainer = train_draft(script_args, training_args)
+    if trainer.stopped_by_signal is not None:  # SIGTERM / SIGUSR1: a checkpoint was saved, resume from it
+        raise SystemExit(128 + trainer.stopped_by_signal)
     if trainer.is_world_process_zero():
         print(f"draft saved to {training_args.output_dir}")
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -141,6 +142,42 @@ def test_example_trains_under_deepspeed_zero3_as_under_ddp_and_resumes(tiny_setu
         assert sharded.keys() == weights.keys()
         for key in sharded:
             torch.testing.assert_close(sharded[key], weights[key], rtol=0, atol=1e-4, msg=f"{other}: {key}")
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_saves_a_checkpoint_on_both_processes_and_the_run_resumes(tiny_setup):
+    """A preempted job: SIGTERM to `accelerate launch` reaches both gloo processes (torchrun passes it on); they agree
+    on the step, save a complete checkpoint there although the run saves none otherwise, and exit with 143 (128 +
+    SIGTERM) instead of being killed with the work lost. The same command with --resume_from_checkpoint true ends
+    the run."""
+    from hf_dspark.training.stop_signals import StopOnSignal
+
+    flags = common_flags(tiny_setup, "preempted", "dspark") + ["--num_hidden_layers", "1"]
+    flags[flags.index("--max_steps") + 1] = str(StopOnSignal.AGREE_EVERY + 3)
+    accelerate = Path(sys.executable).parent / "accelerate"
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+           "no", "--dynamo_backend", "no", "--main_process_port", "0", str(EXAMPLE), *flags]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tiny_setup / "hf_datasets"),
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in job.stdout:  # the first step's log: training runs; the stop comes at the first agreement
+        seen.append(line)
+        if "'loss'" in line:
+            job.send_signal(signal.SIGTERM)
+            break
+    seen.append(job.stdout.read())
+    assert job.wait(timeout=600) == 128 + signal.SIGTERM, "".join(seen)[-4000:]
+    out = "".join(seen)
+    assert out.count(f"SIGTERM: saving a checkpoint at step {StopOnSignal.AGREE_EVERY}") == 2
+    assert "draft saved to" not in out
+    checkpoint = tiny_setup / "preempted" / f"checkpoint-{StopOnSignal.AGREE_EVERY}"
+    assert (checkpoint / "optimizer.pt").exists() and (checkpoint / "trainer_state.json").exists()
+
+    resumed = launch(tiny_setup, 2, flags + ["--resume_from_checkpoint", "true"])
+    assert "draft saved to" in resumed
+    state = json.loads((tiny_setup / "preempted" / "trainer_state.json").read_text())
+    assert state["global_step"] == StopOnSignal.AGREE_EVERY + 3
 
 
 def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 
 import datasets
 import pytest
@@ -129,6 +131,66 @@ def test_checkpoints_load_as_drafts_and_resuming_continues_the_same_run(tmp_path
     resumed_state = trainable_state(resumed.model)
     for name, value in trainable_state(straight.model).items():
         torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0)
+
+
+class SignalAt(TrainerCallback):
+    """Sends this process `signum` as step `step` begins (as a scheduler's preemption would, mid-run)."""
+
+    def __init__(self, step: int, signum=signal.SIGTERM, times: int = 1):
+        self.step, self.signum, self.times = step, signum, times
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_saves_a_checkpoint_and_stops_and_resuming_it_ends_as_the_uninterrupted_run(tmp_path, signum):
+    """checkpoint_on_signal (the default): the step in progress completes, a resumable checkpoint is saved although
+    the run saves none otherwise, training stops, and the process's own handler is back afterwards."""
+    target = make_tiny_target("llama")
+    rows = tokenized_rows()
+    before = signal.getsignal(signum)
+    straight = DraftTrainer(args=make_args(tmp_path / "a", max_steps=4), train_dataset=rows, target_model=target)
+    straight.train()
+    assert straight.stopped_by_signal is None
+
+    stopped = DraftTrainer(args=make_args(tmp_path / "b", max_steps=4), train_dataset=rows, target_model=target)
+    stopped.add_callback(SignalAt(2, signum))
+    stopped.train()
+    assert stopped.stopped_by_signal == signum and stopped.state.global_step == 2
+    assert signal.getsignal(signum) == before
+    assert (tmp_path / "b" / "out" / "checkpoint-2" / "optimizer.pt").exists()
+
+    resumed = DraftTrainer(args=make_args(tmp_path / "b", max_steps=4), train_dataset=rows, target_model=target)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.stopped_by_signal is None and losses(resumed)[-2:] == losses(straight)[-2:]
+    resumed_state = trainable_state(resumed.model)
+    for name, value in trainable_state(straight.model).items():
+        torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0)
+
+
+def test_a_second_signal_goes_to_the_handler_that_was_there_and_the_option_can_be_off(tmp_path):
+    target = make_tiny_target("llama")
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        trainer = DraftTrainer(args=make_args(tmp_path / "a", max_steps=3), train_dataset=tokenized_rows(),
+                               target_model=target)  # fmt: skip
+        trainer.add_callback(SignalAt(1, signal.SIGUSR1, times=2))
+        trainer.train()
+        assert seen == [signal.SIGUSR1] and trainer.state.global_step == 1  # the first stopped it, the second passed
+
+        seen.clear()
+        off = DraftTrainer(args=make_args(tmp_path / "b", max_steps=3, checkpoint_on_signal=False),
+                           train_dataset=tokenized_rows(), target_model=target)  # fmt: skip
+        off.add_callback(SignalAt(1, signal.SIGUSR1))
+        off.train()
+        assert seen == [signal.SIGUSR1] and off.state.global_step == 3 and off.stopped_by_signal is None
+        assert not (tmp_path / "b" / "out" / "checkpoint-1").exists()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def test_logs_report_tau_estimates_and_each_loss_term(tmp_path):

@@ -106,7 +106,7 @@ class DraftTrainingArguments(TrainingArguments):
     )
     loss_chunk_elements: int | None = field(
         default=None,
-        metadata={"help": "Elements of one [rows, vocab] fp32 loss buffer (default 2**25): bounds the loss memory."},
+        metadata={"help": "Elements of one [rows, vocab] fp32 loss buffer (default 2**26): bounds the loss memory."},
     )
     compile_loss: bool | None = field(
         default=None,
@@ -150,6 +150,13 @@ class DraftTrainingArguments(TrainingArguments):
             "help": "Stop training after this many minutes (then save and evaluate as at the last step). The "
             "learning-rate schedule is fitted to the budget (see fit_schedule_to_budget); max_steps or "
             "num_train_epochs still cap the run."
+        },
+    )
+    checkpoint_on_signal: bool = field(
+        default=True,
+        metadata={
+            "help": "On SIGTERM or SIGUSR1 (preemption, a scheduler's time limit): finish the step, save a "
+            "resumable checkpoint (even with save_strategy no) and stop; --resume_from_checkpoint true continues."
         },
     )
     fit_schedule_to_budget: bool = field(

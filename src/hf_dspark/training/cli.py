@@ -102,5 +102,6 @@ def run_train(args) -> int:
     show_all = any(a in ("--help_all", "--help-all") for a in args.argv)
     parser = build_train_parser(show_all=show_all)
     script_args, training_args = parser.parse_args_into_dataclasses(args=args.argv)
-    train_draft(script_args, training_args)
-    return 0
+    trainer = train_draft(script_args, training_args)
+    stopped = trainer.stopped_by_signal
+    return 0 if stopped is None else 128 + stopped  # stopped early, with a checkpoint to resume from

@@ -197,6 +197,8 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     phases.done("trainer")
     trainer.startup_phases = phases.seconds
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.stopped_by_signal is not None:  # a checkpoint holds the run: no final save or evaluation
+        return trainer  # within the grace period; the caller exits with 128 + the signal number
     trainer.save_model(training_args.output_dir)
     if eval_dataset is not None:
         trainer.log_metrics("eval", trainer.evaluate())

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import signal
 import statistics
 import time
 import weakref
@@ -50,6 +51,7 @@ from .checkpoints import resolve_resume_checkpoint
 from .collator import LOSS_ROWS_BOUND, DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
 from .losses import draft_loss
+from .stop_signals import StopOnSignal
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +239,9 @@ class DraftTrainer(Trainer):
             if self.deadline.show_progress:
                 self.remove_callback(ProgressCallback)  # a step bar would show max_steps and its ETA
             self.add_callback(self.deadline)
+        self.stop_signal = StopOnSignal() if getattr(self.args, "checkpoint_on_signal", True) else None
+        if self.stop_signal is not None:
+            self.add_callback(self.stop_signal)
         self.target_model = None
         self._compiled_target_layers = None
         self._evaluate_in_grad_mode = True  # until a grad-mode evaluation fails (prediction_step)
@@ -266,7 +271,11 @@ class DraftTrainer(Trainer):
         self.startup_s, self.first_step_s = process_age_s(), None
         self._compile_mark = compile_mark()  # and compile_s: how much of it went to torch.compile
         since_us = keep_compilation_records()
-        result = super().train(resume, *args, **kwargs)
+        try:
+            result = super().train(resume, *args, **kwargs)
+        finally:
+            if self.stop_signal is not None:
+                self.stop_signal.on_train_end(self.args, self.state, self.control)  # handlers back, even on errors
         if self.is_world_process_zero():  # which functions compiled, when, how often and why: compile_report.json
             report = compile_report(since_us)
             output_dir = Path(self.args.output_dir)
@@ -277,6 +286,14 @@ class DraftTrainer(Trainer):
                 logger.info("torch.compile took %.1f s of this run in %d compilations (%s); compile_report.json "
                             "says which and why", report["total_s"], report["compilations"], top)  # fmt: skip
         return result
+
+    @property
+    def stopped_by_signal(self) -> int | None:
+        """The signal number that stopped the last train() early with a checkpoint (`checkpoint_on_signal`), or
+        None when it ran its course. SIGTERM's number where another process was the one signalled."""
+        if self.stop_signal is None or self.stop_signal.stopped_at is None:
+            return None
+        return self.stop_signal.received or signal.SIGTERM
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """Trainer's scheduler, or under a time budget with fit_schedule_to_budget the same schedule over the
