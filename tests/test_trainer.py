@@ -566,6 +566,57 @@ def test_the_plan_holds_what_the_budget_holds_with_unequal_steps_and_evaluations
     assert all(abs(plan - steps) <= tolerance * steps for plan in plans), (min(plans), max(plans), steps)
 
 
+class FakeSeconds(TrainerCallback):
+    """A clock for the trainer's deadline that advances one second a step (from `start`: another machine's clock)."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.now += 1.0
+
+
+def test_a_time_budgeted_run_resumed_after_a_signal_keeps_its_budget_and_schedule(tmp_path):
+    """A 1-minute budget at one (fake) second a step plans a ~60-step cosine schedule. Stopped by SIGTERM at step 23
+    and resumed on a clock that reads otherwise, the run spends only the rest of the budget, on the same learning
+    rates, and ends on the uninterrupted run's weights (without the recorded budget it planned anew: 60 more steps,
+    its schedule restarted from max_steps)."""
+    target = make_tiny_target("llama")
+    rows = tokenized_rows()
+    args = dict(max_steps=10_000, max_train_minutes=1.0, lr_scheduler_type="cosine", warmup_steps=0)
+
+    def trainer(folder, clock_start=0.0):
+        made = DraftTrainer(args=make_args(tmp_path / folder, **args), train_dataset=rows, target_model=target)
+        clock = FakeSeconds(clock_start)
+        made.deadline.clock = clock
+        made.add_callback(clock)
+        return made
+
+    straight = trainer("a")
+    straight.train()
+    steps = straight.state.global_step
+    assert 40 < steps < 80 and straight.deadline.planned_steps == steps
+
+    stopped = trainer("b")
+    stopped.add_callback(SignalAt(23))
+    stopped.train()
+    assert stopped.state.global_step == 23
+    resumed = trainer("b", clock_start=1_000.0)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == steps
+
+    def rates(run):
+        return [h["learning_rate"] for h in run.state.log_history if "learning_rate" in h]
+
+    assert rates(resumed)[-(steps - 23):] == rates(straight)[23:]
+    resumed_state = trainable_state(resumed.model)
+    for name, value in trainable_state(straight.model).items():
+        torch.testing.assert_close(resumed_state[name], value, rtol=0, atol=0)
+
+
 def test_time_budget_warns_when_max_steps_caps_the_plan(tmp_path, caplog):
     target = make_tiny_target("llama")
     args = make_args(tmp_path, max_steps=25, max_train_minutes=5.0)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
-from transformers.trainer_callback import ProgressCallback
+from transformers.trainer_callback import ExportableState, ProgressCallback
 
 from ..compilation import compile_mark, compile_report, compile_seconds_since, keep_compilation_records
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
@@ -267,6 +267,8 @@ class DraftTrainer(Trainer):
         resume = resolve_resume_checkpoint(
             resume_from_checkpoint, self.args.output_dir, needs_optimizer=not self.args.save_only_model
         )
+        if resume is not None and self.deadline is not None:
+            self._resume_deadline(Path(resume))
         self._train_started = time.monotonic()  # logs carry elapsed_s: held-out tau against training time
         self.startup_s, self.first_step_s = process_age_s(), None
         self._compile_mark = compile_mark()  # and compile_s: how much of it went to torch.compile
@@ -286,6 +288,28 @@ class DraftTrainer(Trainer):
                 logger.info("torch.compile took %.1f s of this run in %d compilations (%s); compile_report.json "
                             "says which and why", report["total_s"], report["compilations"], top)  # fmt: skip
         return result
+
+    def _resume_deadline(self, checkpoint: Path) -> None:
+        """The time budget's remainder and its planned schedule, as the checkpoint recorded them."""
+        stored = json.loads((checkpoint / "trainer_state.json").read_text()).get("stateful_callbacks", {})
+        saved = stored.get(type(self.deadline).__name__)
+        if saved is None:
+            logger.warning("%s records no time-budget state (an older checkpoint): the resumed run gets the whole "
+                           "max_train_minutes again and plans its schedule anew", checkpoint.name)  # fmt: skip
+            return
+        self.deadline.resume(saved["attributes"])
+
+    def _load_callback_state(self) -> None:
+        """Trainer's restoring of callback states (restore_callback_states_from_checkpoint), except the deadline's:
+        it would replace the deadline this trainer's schedule reads; `_resume_deadline` restores it in place."""
+        name = type(self.deadline).__name__ if self.deadline is not None else None
+        stored = self.state.stateful_callbacks
+        kept = stored.pop(name, None) if name else None
+        try:
+            super()._load_callback_state()
+        finally:
+            if kept is not None:
+                stored[name] = kept
 
     @property
     def stopped_by_signal(self) -> int | None:
@@ -700,7 +724,7 @@ def fitted_lr_factor(kind: str, step: int, total: int, warmup: int, floor: float
     return floor + (1.0 - floor) * decayed
 
 
-class TrainingDeadline(TrainerCallback):
+class TrainingDeadline(TrainerCallback, ExportableState):
     """Ends training once `minutes` of wall time have passed since train() began (checked at step ends, so the
     last step completes); the final save and evaluation then run as after the last planned step. Every process
     reads the main process's decision, so a distributed run stops at the same step everywhere.
@@ -716,6 +740,10 @@ class TrainingDeadline(TrainerCallback):
     schedule, a 3,090-step cosine stopped by a 7.5-minute budget at step 1,898 still had 40% of its peak rate. A
     planned run depends on the machine's speed: it logs `planned_steps`, and `--max_steps` with that number (no
     budget) gives a fixed schedule of about that shape.
+
+    A checkpoint records the seconds spent and the plan (`state()`, in its trainer_state.json): a run resumed from it
+    (`resume`) keeps the budget's remainder and the same schedule, instead of a new budget and a schedule restarted
+    near its peak learning rate.
 
     With `show_progress`, the main process shows the budget in seconds (with the step, loss and training τ) in
     place of the Trainer's step bar: a time-budgeted run's step count is not known in advance."""
@@ -739,6 +767,20 @@ class TrainingDeadline(TrainerCallback):
         self.bar = None
         self.last_log: dict = {}
         self._capped_warned = False
+        self._resumed: dict | None = None  # what a checkpoint recorded, applied when train() begins
+
+    def state(self) -> dict:
+        """What a checkpoint records (transformers' ExportableState, saved in trainer_state.json)."""
+        spent = self.clock() - self.start if self.start is not None else 0.0
+        return {
+            "args": {"minutes": self.seconds / 60, "show_progress": self.show_progress, "fit_schedule": self.fit_schedule},
+            "attributes": {"spent_seconds": spent, "planned_steps": self.planned_steps, "mark": self.mark,
+                           "pause_seconds": self.pause_seconds, "durations": list(self.durations)},
+        }  # fmt: skip
+
+    def resume(self, attributes: dict) -> None:
+        """Continue the budget and the plan a checkpoint recorded (`state()["attributes"]`) at the next train()."""
+        self._resumed = dict(attributes)
 
     def schedule_steps(self, fallback: int) -> int:
         """The schedule's total: the plan once made, before that the run's own max_steps."""
@@ -749,6 +791,15 @@ class TrainingDeadline(TrainerCallback):
         self.mark, self.planned_steps, self._last_end = None, None, None
         self.durations.clear()
         self.pause_seconds = 0.0
+        if self._resumed is not None:
+            saved, self._resumed = self._resumed, None
+            self.start -= saved["spent_seconds"]
+            self.planned_steps, self.mark = saved["planned_steps"], saved["mark"]
+            self.pause_seconds = saved["pause_seconds"]
+            self.durations.extend(saved["durations"])
+            logger.info("max_train_minutes=%g: resumed with %.0f s of the budget spent%s", self.seconds / 60,
+                        saved["spent_seconds"], f", the schedule planned at {self.planned_steps} steps"
+                        if self.planned_steps else "")  # fmt: skip
         if self.show_progress and state.is_local_process_zero:
             from tqdm.auto import tqdm
 
