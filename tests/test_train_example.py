@@ -146,14 +146,12 @@ def test_example_trains_under_deepspeed_zero3_as_under_ddp_and_resumes(tiny_setu
 
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_saves_a_checkpoint_on_both_processes_and_the_run_resumes(tiny_setup):
-    """A preempted job: SIGTERM to `accelerate launch` reaches both gloo processes (torchrun passes it on); they agree
-    on the step, save a complete checkpoint there although the run saves none otherwise, and exit with 143 (128 +
-    SIGTERM) instead of being killed with the work lost. The same command with --resume_from_checkpoint true ends
-    the run."""
-    from hf_dspark.training.stop_signals import StopOnSignal
-
+    """A preempted job: SIGTERM to `accelerate launch` reaches both gloo processes (torchrun passes it on, and kills
+    them 30 s later); they agree on the step, save a complete checkpoint there although the run saves none otherwise,
+    and exit with 143 (128 + SIGTERM) instead of being killed with the work lost. The same command with
+    --resume_from_checkpoint true ends the run."""
     flags = common_flags(tiny_setup, "preempted", "dspark") + ["--num_hidden_layers", "1"]
-    flags[flags.index("--max_steps") + 1] = str(StopOnSignal.AGREE_EVERY + 3)
+    flags[flags.index("--max_steps") + 1] = "12"
     accelerate = Path(sys.executable).parent / "accelerate"
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
            "no", "--dynamo_backend", "no", "--main_process_port", "0", str(EXAMPLE), *flags]  # fmt: skip
@@ -169,15 +167,15 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_on_both_processes_and_the_ru
     seen.append(job.stdout.read())
     assert job.wait(timeout=600) == 128 + signal.SIGTERM, "".join(seen)[-4000:]
     out = "".join(seen)
-    assert out.count(f"SIGTERM: saving a checkpoint at step {StopOnSignal.AGREE_EVERY}") == 2
+    stops = re.findall(r"SIGTERM: saving a checkpoint at step (\d+)", out)
+    assert len(stops) == 2 and stops[0] == stops[1] and int(stops[0]) < 12, out[-4000:]  # both, at the same step
     assert "draft saved to" not in out
-    checkpoint = tiny_setup / "preempted" / f"checkpoint-{StopOnSignal.AGREE_EVERY}"
+    checkpoint = tiny_setup / "preempted" / f"checkpoint-{stops[0]}"
     assert (checkpoint / "optimizer.pt").exists() and (checkpoint / "trainer_state.json").exists()
 
     resumed = launch(tiny_setup, 2, flags + ["--resume_from_checkpoint", "true"])
     assert "draft saved to" in resumed
-    state = json.loads((tiny_setup / "preempted" / "trainer_state.json").read_text())
-    assert state["global_step"] == StopOnSignal.AGREE_EVERY + 3
+    assert json.loads((tiny_setup / "preempted" / "trainer_state.json").read_text())["global_step"] == 12
 
 
 def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):
@@ -263,7 +261,7 @@ def test_cli_train_help_lists_the_draft_and_data_flags(capsys):
         assert flag in text, flag
     assert "{dspark,dflash,eagle3}" in text  # --algorithm lists its choices
     # The rest is behind --help_all (778 lines): the short help is the draft's flags and a few Trainer ones.
-    assert "--adam_beta1" not in text and len(text.splitlines()) < 275
+    assert "--adam_beta1" not in text and len(text.splitlines()) < 300
     with pytest.raises(SystemExit):
         main(["train", "--help_all"])
     assert "--adam_beta1" in capsys.readouterr().out

@@ -277,7 +277,7 @@ class DraftTrainer(Trainer):
             result = super().train(resume, *args, **kwargs)
         finally:
             if self.stop_signal is not None:
-                self.stop_signal.on_train_end(self.args, self.state, self.control)  # handlers back, even on errors
+                self.stop_signal.close()  # handlers back, even on errors
         if self.is_world_process_zero():  # which functions compiled, when, how often and why: compile_report.json
             report = compile_report(since_us)
             output_dir = Path(self.args.output_dir)
