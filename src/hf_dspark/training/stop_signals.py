@@ -56,14 +56,14 @@ class StopOnSignal(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.received, self.stopped_at = None, None
-        if threading.current_thread() is not threading.main_thread():
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")  # every process, here at the same point
+        if threading.current_thread() is not threading.main_thread():  # its flag stays down; it still agrees
             logger.info("training runs outside the main thread: no checkpoint on %s", "/".join(STOP_SIGNALS))
             return
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo")  # every process, here at the same point
 
     def _agreed(self, stop: bool) -> bool:
         """Whether any process had its flag up at the last step end; sends this step's flag for the next."""
