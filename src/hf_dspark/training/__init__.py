@@ -8,7 +8,8 @@ _EXPORTS = {
     **dict.fromkeys(["DraftDataCollator"], ".collator"),
     **dict.fromkeys(["DraftLossOutput", "block_draft_loss", "draft_loss", "eagle3_loss", "fused_head_loss"], ".losses"),
     **dict.fromkeys(["DraftScriptArguments", "train_draft", "training_argument_parser"], ".script"),
-    **dict.fromkeys(["DraftTrainer", "build_draft", "zero3_init_disabled"], ".trainer"),
+    **dict.fromkeys(["DraftTrainer", "build_draft"], ".trainer"),
+    **dict.fromkeys(["zero3_init_disabled"], ".zero3"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from .arguments import DraftTrainingArguments
-from .trainer import DraftTrainer, build_draft, data_seed, process_age_s, seed_run, zero3_init_disabled
+from .trainer import DraftTrainer, build_draft, data_seed, process_age_s, seed_run
+from .zero3 import zero3_init_disabled
 
 logger = logging.getLogger(__name__)
 

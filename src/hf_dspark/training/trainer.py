@@ -52,6 +52,7 @@ from .collator import LOSS_ROWS_BOUND, DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
 from .losses import draft_loss
 from .stop_signals import StopOnSignal
+from .zero3 import gathered, refuse_partitioned, zero3_loss_weights
 
 logger = logging.getLogger(__name__)
 
@@ -96,39 +97,6 @@ def seed_run(args) -> None:
     """Seed python, numpy and torch from `args.seed` as Trainer does (`full_determinism` also makes kernels
     deterministic); called before a draft is built so that the same seed gives the same initial draft."""
     enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
-
-
-@contextlib.contextmanager
-def zero3_init_disabled():
-    """Models loaded inside load whole, even where DeepSpeed ZeRO-3 is configured.
-
-    Once `TrainingArguments` with a ZeRO-3 config exist (`accelerate launch` with a DeepSpeed config creates them),
-    transformers builds every `from_pretrained` model under `deepspeed.zero.Init`, partitioned over the processes,
-    whatever accelerate's `zero3_init_flag` says. The frozen target runs outside the DeepSpeed engine, on every
-    process, so it must load whole; the draft is partitioned later, by the engine."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
-    config = ref() if ref is not None else None
-    if config is None:
-        yield
-        return
-    hf_deepspeed.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_deepspeed.set_hf_deepspeed_config(config)
-
-
-def _refuse_partitioned(target: nn.Module) -> None:
-    """A target whose weights DeepSpeed ZeRO-3 partitioned (each process holds a slice) cannot run as the frozen
-    target: refuse it with the fix instead of failing later on empty weights."""
-    if any(hasattr(p, "ds_id") for p in target.parameters()):
-        raise ValueError(
-            "the target's weights are partitioned by DeepSpeed ZeRO-3 (it was loaded after TrainingArguments with a "
-            "ZeRO-3 config existed, so transformers loaded it under deepspeed.zero.Init): load the frozen target "
-            "whole, before creating the arguments or inside `with hf_dspark.training.zero3_init_disabled():`"
-        )
 
 
 def data_seed(args) -> int:
@@ -182,7 +150,7 @@ class DraftTrainer(Trainer):
         if args is None:
             args = DraftTrainingArguments(output_dir="draft-trainer-output")
         if target_model is not None:
-            _refuse_partitioned(target_model)
+            refuse_partitioned(target_model)
         if model is None:
             if target_model is None:
                 raise ValueError("DraftTrainer needs a draft `model`, or a `target_model` to build one from")
@@ -452,27 +420,12 @@ class DraftTrainer(Trainer):
         return torch.autocast(self.args.device.type, dtype=dtype)
 
     def _zero3_output_weights(self, draft) -> list[nn.Parameter]:
-        """Under DeepSpeed ZeRO-3: lm_head and W2, the weights the chunked loss reads outside a module forward
-        (ZeRO-3 gathers a module's weights only around its own forward and backward). Else none."""
-        if not getattr(self, "is_deepspeed_enabled", False):
-            return []
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-        if not is_deepspeed_zero3_enabled():
-            return []
-        params = [draft.lm_head.weight]
-        if hasattr(draft, "markov_head"):
-            params.append(draft.markov_head.markov_w2.weight)
-        return params
+        """lm_head and W2 under DeepSpeed ZeRO-3 (read by the loss outside a forward: see zero3.py), else none."""
+        return zero3_loss_weights(draft) if getattr(self, "is_deepspeed_enabled", False) else []
 
     def _gathered_output_weights(self, draft):
         """The loss's weights whole for its forward (ZeRO-3; the ones `training_step` already holds are left)."""
-        params = [p for p in self._zero3_output_weights(draft) if all(p is not q for q in self._held_whole)]
-        if not params:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return gathered([p for p in self._zero3_output_weights(draft) if all(p is not q for q in self._held_whole)])
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Under ZeRO-3 the trained weights the loss reads outside a forward (W2) stay whole through the backward
@@ -482,9 +435,7 @@ class DraftTrainer(Trainer):
         trained = [p for p in self._zero3_output_weights(draft) if p.requires_grad]
         if not trained:
             return super().training_step(model, inputs, num_items_in_batch)
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(trained, modifier_rank=None):
+        with gathered(trained):
             self._held_whole = trained
             try:
                 return super().training_step(model, inputs, num_items_in_batch)
