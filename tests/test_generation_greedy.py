@@ -437,3 +437,23 @@ def test_compiled_verify_forward_matches_and_serves_later_calls():
     assert counters["frames"]["ok"] == frames  # no recompilation for later calls of the same shape
     with pytest.raises(ValueError, match="dspark_compile=True compiles the static verification path"):
         target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_compile=True, **kw)
+
+
+def test_a_target_with_layers_offloaded_to_disk_decodes_as_without_the_draft(tmp_path):
+    """A target too large for its device, loaded with accelerate's device_map and half its layers offloaded to disk
+    (weights brought in by hooks at each layer's forward): the verification forward and the feature hooks run through
+    those hooks, and greedy decoding with a draft equals the target's own, with long accepted blocks."""
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_target("llama").save_pretrained(tmp_path / "target")
+    layers = {f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(6)}
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu", **layers}
+    target = AutoModelForCausalLM.from_pretrained(tmp_path / "target", device_map=device_map,
+                                                  offload_folder=str(tmp_path / "offload")).eval()  # fmt: skip
+    assert set(target.hf_device_map.values()) == {"cpu", "disk"}
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    OracleProposer(draft, expected, mask, corrupt=0.2)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, expected) and draft.last_generation_stats.tau > 2.0
