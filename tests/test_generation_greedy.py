@@ -447,7 +447,8 @@ def test_a_target_with_layers_offloaded_to_disk_decodes_as_without_the_draft(tmp
 
     make_tiny_target("llama").save_pretrained(tmp_path / "target")
     layers = {f"model.layers.{i}": "cpu" if i < 3 else "disk" for i in range(6)}
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu", **layers}
+    kept = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    device_map = {**kept, **layers}
     target = AutoModelForCausalLM.from_pretrained(tmp_path / "target", device_map=device_map,
                                                   offload_folder=str(tmp_path / "offload")).eval()  # fmt: skip
     assert set(target.hf_device_map.values()) == {"cpu", "disk"}

@@ -64,8 +64,9 @@ def common_flags(root: Path, output: str, algorithm: str) -> list[str]:
     ]  # fmt: skip
 
 
-def launch(root: Path, num_processes: int, flags: list[str], config: Path | None = None) -> str:
-    """`accelerate launch` of the example; `config`: an accelerate config file to place the processes instead."""
+def launch_command(root: Path, num_processes: int, flags: list[str], config: Path | None = None):
+    """(command, environment) of `accelerate launch` of the example; `config`: an accelerate config file to place
+    the processes instead."""
     accelerate = Path(sys.executable).parent / "accelerate"
     if config is not None:
         placement = ["--config_file", str(config), "--num_processes", str(num_processes)]
@@ -77,6 +78,12 @@ def launch(root: Path, num_processes: int, flags: list[str], config: Path | None
            "--dynamo_backend", "no", "--main_process_port", "0", str(EXAMPLE), *flags]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(root / "hf_datasets"),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    return cmd, env
+
+
+def launch(root: Path, num_processes: int, flags: list[str], config: Path | None = None) -> str:
+    """Run `launch_command` to its successful end; its output."""
+    cmd, env = launch_command(root, num_processes, flags, config)
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return result.stdout + result.stderr
@@ -152,11 +159,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_on_both_processes_and_the_ru
     --resume_from_checkpoint true ends the run."""
     flags = common_flags(tiny_setup, "preempted", "dspark") + ["--num_hidden_layers", "1"]
     flags[flags.index("--max_steps") + 1] = "12"
-    accelerate = Path(sys.executable).parent / "accelerate"
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-           "no", "--dynamo_backend", "no", "--main_process_port", "0", str(EXAMPLE), *flags]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tiny_setup / "hf_datasets"),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    cmd, env = launch_command(tiny_setup, 2, flags)
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in job.stdout:  # the first step's log: training runs; the stop comes at the first agreement

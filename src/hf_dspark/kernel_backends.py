@@ -13,7 +13,9 @@ import importlib
 KERNEL_BACKENDS = ("auto", "triton", "torch")
 
 
-def choose_kernel_backend(what: str, backend: str, kernel_module: str, inputs: tuple, prefer_torch: bool = False) -> str:
+def choose_kernel_backend(
+    what: str, backend: str, kernel_module: str, inputs: tuple, prefer_torch: bool = False
+) -> str:
     """"triton" or "torch". `what` names the pass in errors; `kernel_module` (absolute) defines
     `unsupported_reason(*inputs) -> str | None`; `prefer_torch`: "auto" runs PyTorch without asking the kernel."""
     if backend not in KERNEL_BACKENDS:

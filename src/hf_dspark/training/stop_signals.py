@@ -3,8 +3,9 @@
 Preemptible and batch machines end a job with a signal and a grace period: SIGTERM (Kubernetes, cloud spot
 instances, torchrun passing on its own SIGTERM, `timeout`), or SIGUSR1 a set time before the limit (SLURM's
 `--signal=USR1@120`, where it reaches the training processes: torchrun passes on SIGTERM, SIGINT, SIGHUP and
-SIGQUIT by default, and dies of a SIGUSR1 it was not told to handle). `StopOnSignal` catches them while `train()` runs; the step in progress completes, then the
-trainer saves a checkpoint (optimizer, scheduler and RNG state included, whatever `save_strategy` says) and stops.
+SIGQUIT by default, and dies of a SIGUSR1 it was not told to handle). `StopOnSignal` catches them while `train()`
+runs; the step in progress completes, then the trainer saves a checkpoint (optimizer, scheduler and RNG state
+included, whatever `save_strategy` says) and stops.
 The same command with `--resume_from_checkpoint true` continues the run where it stopped. A second signal while the
 first is being honoured gets the handler that was there before (by default: terminate at once).
 

@@ -431,8 +431,9 @@ class DraftTrainer(Trainer):
         """Under ZeRO-3 the trained weights the loss reads outside a forward (W2) stay whole through the backward
         too: their gradient accumulates into the whole weight, and ZeRO-3's gradient hook reduces and partitions it
         as for any weight (the engine's backward flushes those reductions before the step returns)."""
-        draft = self.accelerator.unwrap_model(model)
-        trained = [p for p in self._zero3_output_weights(draft) if p.requires_grad]
+        if not getattr(self, "is_deepspeed_enabled", False):  # every other run: nothing more a step
+            return super().training_step(model, inputs, num_items_in_batch)
+        trained = [p for p in self._zero3_output_weights(self.accelerator.unwrap_model(model)) if p.requires_grad]
         if not trained:
             return super().training_step(model, inputs, num_items_in_batch)
         with gathered(trained):
@@ -724,7 +725,8 @@ class TrainingDeadline(TrainerCallback, ExportableState):
         """What a checkpoint records (transformers' ExportableState, saved in trainer_state.json)."""
         spent = self.clock() - self.start if self.start is not None else 0.0
         return {
-            "args": {"minutes": self.seconds / 60, "show_progress": self.show_progress, "fit_schedule": self.fit_schedule},
+            "args": {"minutes": self.seconds / 60, "show_progress": self.show_progress,
+                     "fit_schedule": self.fit_schedule},
             "attributes": {"spent_seconds": spent, "planned_steps": self.planned_steps, "mark": self.mark,
                            "pause_seconds": self.pause_seconds, "durations": list(self.durations)},
         }  # fmt: skip
