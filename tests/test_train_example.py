@@ -184,18 +184,17 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_on_both_processes_and_the_ru
 
 @pytest.mark.slow
 def test_time_budget_stops_both_gloo_processes_at_the_same_step(tiny_setup):
-    """A time-budgeted run under DDP: rank 0's clock decides the stop and the fitted schedule for both processes (one
-    broadcast every few steps), so both leave the training loop at the same step and the run ends with a saved draft.
-    A process stopping alone would leave the other waiting in its next gradient all-reduce (the launch times out)."""
-    flags = common_flags(tiny_setup, "budgeted", "dspark") + ["--num_hidden_layers", "1", "--max_train_minutes", "0.2"]
+    """A time-budgeted run under DDP: rank 0's clock decides the stop and the fitted schedule for both processes
+    (exchanged at every step end, read a step later), so both leave the training loop at the same step and the run
+    ends with a saved draft. A process stopping alone would leave the other waiting in its next gradient all-reduce
+    (the launch would time out)."""
+    flags = common_flags(tiny_setup, "budgeted", "dspark") + ["--num_hidden_layers", "1", "--max_train_minutes", "0.75"]
     flags[flags.index("--max_steps") + 1] = "1000000"
     out = launch(tiny_setup, 2, flags)
     assert "draft saved to" in out
     state = json.loads((tiny_setup / "budgeted" / "trainer_state.json").read_text())
     planned = [entry["planned_steps"] for entry in state["log_history"] if "planned_steps" in entry]
-    step = state["global_step"]
-    assert planned and 10 <= step < 1_000_000, state["log_history"][-1]
-    assert step % TrainingDeadline.PLAN_EVERY == 0  # the processes agree at every PLAN_EVERY-th step, and only there
+    assert planned and TrainingDeadline.PLAN_EVERY < state["global_step"] < 1_000_000, state["log_history"][-1]
 
 
 def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):

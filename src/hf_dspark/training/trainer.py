@@ -51,6 +51,7 @@ from .checkpoints import resolve_resume_checkpoint
 from .collator import LOSS_ROWS_BOUND, DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
 from .losses import draft_loss
+from .step_agreement import StepAgreement
 from .stop_signals import StopOnSignal
 from .zero3 import gathered, refuse_partitioned, zero3_loss_weights
 
@@ -244,8 +245,9 @@ class DraftTrainer(Trainer):
         try:
             result = super().train(resume, *args, **kwargs)
         finally:
-            if self.stop_signal is not None:
-                self.stop_signal.close()  # handlers back, even on errors
+            for callback in (self.stop_signal, self.deadline):
+                if callback is not None:
+                    callback.close()  # handlers back and process groups gone, even on errors
         if self.is_world_process_zero():  # which functions compiled, when, how often and why: compile_report.json
             report = compile_report(since_us)
             output_dir = Path(self.args.output_dir)
@@ -679,7 +681,8 @@ def fitted_lr_factor(kind: str, step: int, total: int, warmup: int, floor: float
 class TrainingDeadline(TrainerCallback, ExportableState):
     """Ends training once `minutes` of wall time have passed since train() began (checked at step ends, so the
     last step completes); the final save and evaluation then run as after the last planned step. Every process
-    reads the main process's decision, so a distributed run stops at the same step everywhere.
+    acts on the main process's decision, one step after it was made (`StepAgreement`: no device synchronization),
+    so a distributed run stops at the same step everywhere.
 
     With `fit_schedule`, it also plans the learning-rate schedule's length: after step `MARK_STEP` (the first
     steps compile) it times every step and, every `PLAN_EVERY` steps, sets the total to the steps done plus the
@@ -720,6 +723,7 @@ class TrainingDeadline(TrainerCallback, ExportableState):
         self.last_log: dict = {}
         self._capped_warned = False
         self._resumed: dict | None = None  # what a checkpoint recorded, applied when train() begins
+        self._agreement = StepAgreement()  # several processes: rank 0's stop and plan, for all
 
     def state(self) -> dict:
         """What a checkpoint records (transformers' ExportableState, saved in trainer_state.json)."""
@@ -740,6 +744,7 @@ class TrainingDeadline(TrainerCallback, ExportableState):
         return self.planned_steps or fallback
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self._agreement.open()  # every process, here at the same point
         self.start = self.clock()
         self.mark, self.planned_steps, self._last_end = None, None, None
         self.durations.clear()
@@ -820,13 +825,15 @@ class TrainingDeadline(TrainerCallback, ExportableState):
         over = self.start is not None and elapsed >= self.seconds
         decide = step % self.PLAN_EVERY == 0
         plan = self._plan(step, elapsed, state.max_steps) if self.fit_schedule and decide else self.planned_steps
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            if not decide:
-                return control  # agree every PLAN_EVERY steps: a collective per step would cost a host sync each
-            # Rank 0's clock decides for all: the same stop and the same schedule (learning rate) on every rank.
-            flags = torch.tensor([float(over), float(plan or 0)], device=args.device)
-            torch.distributed.broadcast(flags, src=0)
-            over, plan = bool(flags[0].item()), int(flags[1].item()) or None
+        if self._agreement.active:
+            # Rank 0's clock decides for all: the same stop and the same schedule (learning rate) on every rank, a
+            # step after rank 0 made the decision. The others send zeros (a max keeps rank 0's values); a plan is
+            # sent only when made, and a zero plan means no news.
+            mine = [float(over), float(plan or 0) if decide else 0.0] if state.is_world_process_zero else [0.0, 0.0]
+            agreed = self._agreement.exchange(mine)
+            if agreed is None:
+                return control
+            over, plan = bool(agreed[0]), int(agreed[1]) or None
         if plan != self.planned_steps and plan is not None:
             if self.planned_steps is None:
                 logger.info("max_train_minutes=%g: the schedule is planned at %d steps", self.seconds / 60, plan)
@@ -842,6 +849,12 @@ class TrainingDeadline(TrainerCallback, ExportableState):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._agreement.finish()
+        self.close()
+
+    def close(self) -> None:
+        """The progress bar and the agreement's group gone (also after a failed run)."""
+        self._agreement.close()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
