@@ -10,7 +10,8 @@ issue the phase with no synchronization inside the step (what a host-bound step 
     backward  autograd through the draft
     optimizer clip + optimizer step + zero_grad
 then the end-to-end step time of `trainer.train()` itself over the same number of steps (Trainer overhead included),
-and a kernel table from torch.profiler (GPU kernel time by kernel family, plus GPU idle = host gaps).
+and a kernel table from torch.profiler (GPU kernel time by kernel family, plus GPU idle = host gaps) over the last
+--trace_steps steps of one more train() call, after --warmup untraced ones.
 
     python benchmarks/profile_training.py --target PATH --data answers.jsonl.gz --output profile.json
     python benchmarks/profile_training.py --device cpu --smoke        # tiny random target (checks the code path)
@@ -74,7 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--dataloader_num_workers", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny random target and synthetic conversations")
-    p.add_argument("--trace_steps", type=int, default=3, help="steps under torch.profiler (0: no kernel table)")
+    p.add_argument("--trace_steps", type=int, default=3,
+                   help="steps under torch.profiler, after --warmup untraced ones (0: no kernel table)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.add_argument("--table", default=None, help="also write the kernel table (text) here")
     p.add_argument("--seed", type=int, default=0)
@@ -198,21 +200,46 @@ def trainer_steps(trainer, steps: int, warmup: int, cuda: bool) -> tuple[list[fl
     return clock.times[warmup:], first
 
 
-def kernel_table(trainer, steps: int, cuda: bool) -> tuple[list[dict], dict]:
-    """GPU kernel time by kernel family over `steps` Trainer steps, and the device-busy fraction."""
-    from torch.profiler import ProfilerActivity, profile
+def kernel_table(trainer, steps: int, cuda: bool, warmup: int = 2) -> tuple[list[dict], dict]:
+    """GPU kernel time by kernel family over `steps` Trainer steps, and the device-busy fraction.
 
+    The steps traced are the last `steps` of one train() call that first runs `warmup` untraced steps: a fresh
+    train() pays one-time work in its first step (optimizer state, the loader's first batches), which spread over a
+    few traced steps put more kernel time per step than the step takes. The wall time is that of the traced steps
+    alone (device synchronized at each step end, as `trainer_steps` times them)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    from transformers import TrainerCallback
+
+    warmup = max(1, warmup)  # the traced window starts at a step end
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    trainer.args.max_steps = steps  # train() starts a new run: `steps` more steps
-    wall = time.perf_counter()
-    with profile(activities=activities) as prof:
-        trainer.train(resume_from_checkpoint=None)
-        if cuda:
-            torch.cuda.synchronize()
-    wall = time.perf_counter() - wall
+    step_ends: list[float] = []
+    traced = {}
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            step_ends.append(time.perf_counter())
+            prof.step()
+
+    def keep(p):  # the schedule's one cycle ended: its events, before the profiler lets them go
+        traced["events"] = p.key_averages()
+
+    trainer.args.max_steps = warmup + steps  # train() starts a new run of that many steps
+    tick = Tick()
+    trainer.add_callback(tick)
+    try:
+        with profile(activities=activities, schedule=schedule(wait=warmup - 1, warmup=1, active=steps, repeat=1),
+                     on_trace_ready=keep) as prof:  # fmt: skip
+            trainer.train(resume_from_checkpoint=None)
+    finally:
+        trainer.remove_callback(tick)
+    if len(step_ends) != warmup + steps or "events" not in traced:
+        raise RuntimeError(f"traced {len(step_ends)} step ends of {warmup + steps}: the trainer stopped early")
+    wall = step_ends[-1] - step_ends[warmup - 1]
     by_family: dict[str, float] = defaultdict(float)
     by_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for event in prof.key_averages():
+    for event in traced["events"]:
         dev = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         if dev and event.device_type == torch.autograd.DeviceType.CUDA:
             by_family[family(event.key)] += dev / 1e3
@@ -223,6 +250,8 @@ def kernel_table(trainer, steps: int, cuda: bool) -> tuple[list[dict], dict]:
             for f, ms in sorted(by_family.items(), key=lambda kv: -kv[1])]  # fmt: skip
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:25]
     summary = {
+        "traced_steps": steps,
+        "untraced_steps_before": warmup,
         "wall_ms_per_step": 1e3 * wall / steps,
         "device_busy_ms_per_step": busy / steps,
         "device_idle_fraction": max(0.0, 1 - busy / (1e3 * wall)) if wall else None,
@@ -244,7 +273,9 @@ def main(argv=None):
         step_s, first_s = trainer_steps(trainer, args.steps, args.warmup, cuda)
         phases = phase_times(trainer, args.steps, 1, cuda)
         host = phase_times(trainer, args.steps, 1, cuda, synchronized=False)
-        families, summary = kernel_table(trainer, args.trace_steps, cuda) if args.trace_steps else ([], {})
+        families, summary = ([], {})
+        if args.trace_steps:
+            families, summary = kernel_table(trainer, args.trace_steps, cuda, args.warmup)
     median = {name: statistics.median(v) * 1e3 for name, v in phases.items()}
     host_median = {name: statistics.median(v) * 1e3 for name, v in host.items()}
     tokens = args.batch_size * args.max_length

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,24 @@ def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
     for key in ("phase_ms", "host_phase_ms"):  # synchronized, and the host's issue time
         assert set(report[key]) == set(module.PHASES) and all(v > 0 for v in report[key].values())
     assert report["trainer_step_ms"] > 0 and json.loads(out.read_text())["hardware"]["torch"]
+
+
+def test_profile_training_traces_steps_after_untraced_ones():
+    """The kernel table traces the last --trace_steps steps of one train() call, after --warmup untraced ones (a
+    fresh train()'s first step holds one-time work), times the same steps, and leaves the trainer's callbacks as
+    they were."""
+    module = load_script("benchmarks/profile_training.py")
+    args = module.parse_args(["--device", "cpu", "--smoke"])
+    args.batch_size, args.max_length, args.num_anchors = 2, 64, 8
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = module.build(args, False, tmp)
+        callbacks = list(trainer.callback_handler.callbacks)
+        families, summary = module.kernel_table(trainer, 2, False, warmup=2)
+        assert trainer.callback_handler.callbacks == callbacks
+        assert trainer.state.global_step == 4  # 2 untraced + 2 traced, in one run
+    assert families == []  # no CUDA kernels on CPU
+    assert summary["traced_steps"] == 2 and summary["untraced_steps_before"] == 2
+    assert summary["wall_ms_per_step"] > 0 and summary["device_busy_ms_per_step"] == 0
 
 
 @pytest.mark.parametrize("axis", ["batch_copy", "intermediate_size"])
