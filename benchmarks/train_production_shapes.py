@@ -8,6 +8,8 @@ H200; the DeepSpec reference takes 110 ms / 23.9 GiB.
 The step is exactly what DraftTrainer runs: anchors from `sample_anchors(fixed_count=True)`, the draft's training forward
 (flex_attention with a sparse BlockMask on CUDA), `block_draft_loss` (row-chunked, fused over the vocabulary),
 backward, optimizer step. No host synchronization inside the timed steps except the per-step CUDA events.
+Before timing it counts one step's floating-point operations (torch's FlopCounterMode on an eager step) and times the
+best dense matrix product on the device: FLOPs / that rate is the least time the step's products can take.
 
     python benchmarks/train_production_shapes.py --output benchmarks/results/train_production_shapes.json
     python benchmarks/train_production_shapes.py --device cpu --smoke        # tiny shapes, checks the code path
@@ -23,6 +25,7 @@ import resource
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -74,6 +77,10 @@ def parse_args(argv=None):
                    "flex attention's included; longer compilation)")
     p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
     p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
+    p.add_argument("--num_layers", type=int, default=None, help="override the draft's decoder layers")
+    p.add_argument("--count_flops", action=argparse.BooleanOptionalAction, default=True,
+                   help="count one step's floating-point operations (an eager step under torch's FlopCounterMode) and "
+                   "time the best dense matrix product here: the step's matrix-product floor")  # fmt: skip
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.add_argument("--profile", default=None, help="after timing, profile 2 steps; write the kernel table here")
     return p.parse_args(argv)
@@ -85,6 +92,8 @@ def build(args):
         shapes["seq_len"] = args.seq_len
     if args.num_anchors:
         shapes["num_anchors"] = args.num_anchors
+    if args.num_layers:
+        shapes["num_hidden_layers"] = args.num_layers
     seq_len = shapes.pop("seq_len")
     theta = shapes.pop("rope_theta")
     config = DSparkConfig(
@@ -122,6 +131,74 @@ def synthetic_batch(config, seq_len, device, dtype):
     last = torch.randn(1, seq_len, config.target_hidden_size, generator=gen)
     to = lambda t: t.to(device)  # noqa: E731
     return to(input_ids), to(loss_mask), to(context).to(dtype), to(last).to(dtype)
+
+
+def step_flops(draft, input_ids, loss_mask, context, last, positions, valid, max_rows, chunk_elements) -> dict:
+    """Floating-point operations of one training step, forward and backward.
+
+    Matrix products as torch's FlopCounterMode counts them on an eager step (the compiled step runs the same
+    products; attention kernels are left out of that sum, whichever backend ran them). Attention from its shapes:
+    QK^T and PV forward, then dQ, dK, dV and dP backward (3x the forward; a fused kernel's recomputation not
+    counted), over every [query, key] pair and over the pairs the block mask lets through (what a sparse kernel
+    computes). The optimizer and element-wise work are not products and are not counted. Gradients are cleared."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_dspark.models.anchors import dense_block_mask
+
+    cfg = draft.config
+    kind = draft.block_mask_kind
+    draft.block_mask_kind = "dense"  # an eager flex call would materialize its scores
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
+                        anchor_mask=valid)  # fmt: skip
+            block_draft_loss(draft, out, chunk_elements=chunk_elements, compile=False, backend="torch",
+                             max_rows=max_rows).loss.backward()  # fmt: skip
+    finally:
+        draft.block_mask_kind = kind
+        draft.zero_grad(set_to_none=True)
+    by_op: dict[str, int] = defaultdict(int)
+    for op, n in counter.get_flop_counts()["Global"].items():
+        by_op[str(op).removeprefix("aten.")] += int(n)
+    mask = dense_block_mask(positions, input_ids.shape[1], cfg.block_size)  # [B, 1, queries, keys]
+    batch, _, queries, keys = mask.shape
+    dense = 3 * 4 * batch * cfg.num_attention_heads * queries * keys * cfg.head_dim * cfg.num_hidden_layers
+    live = float(mask.float().mean())
+    return {
+        "by_operator": dict(by_op),
+        "matmul": sum(n for op, n in by_op.items() if "attention" not in op),
+        "attention_dense": dense,
+        "attention_live_fraction": live,
+        "attention_live": dense * live,
+    }
+
+
+def best_gemm_tflops(device: torch.device, dtype: torch.dtype, sizes=(4096, 8192), repeats: int = 10) -> float:
+    """The fastest dense matrix product measured here (TFLOP/s over square products of these sizes): an upper bound
+    on the rate the step's products can reach, so FLOPs / this rate is a lower bound on their time."""
+    best = 0.0
+    for n in sizes:
+        a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        for _ in range(2):  # warm-up: library heuristics, clocks
+            a @ b
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            for _ in range(repeats):
+                a @ b
+            end.record()
+            torch.cuda.synchronize(device)
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                a @ b
+            seconds = time.perf_counter() - t0
+        best = max(best, 2 * n**3 * repeats / seconds / 1e12)
+        del a, b
+    return best
 
 
 def profile_steps(step, first: int, path: str, cuda: bool) -> None:
@@ -177,6 +254,14 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         return result.estimates["supervised_tokens"].detach(), result.loss.detach()
 
+    flops = floor = None
+    if args.count_flops:  # before any step: the count's eager step leaves no gradients and moves no weights
+        generator = torch.Generator(device=device).manual_seed(0)
+        positions, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, fixed_count=True)
+        flops = step_flops(draft, input_ids, loss_mask, context, last, positions, valid, max_rows, args.chunk_elements)
+        rate = best_gemm_tflops(device, dtype, sizes=(256,) if args.smoke or not cuda else (4096, 8192))
+        floor = {"best_gemm_tflops": rate, "matmul_ms": flops["matmul"] / rate / 1e9,
+                 "attention_live_ms": flops["attention_live"] / rate / 1e9}  # fmt: skip
     for i in range(args.warmup):
         step(i)
     if cuda:
@@ -249,6 +334,9 @@ def main(argv=None):
         "peak_memory_gib": peak_gib,
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "process max RSS",
         "final_loss": float(losses[-1]),
+        # One step's products (FlopCounterMode on an eager step) and their time at the best dense rate measured here.
+        "flops": flops,
+        "floor": floor,
         "goal": {"step_ms": 41.0, "peak_memory_gib": 11.4},
         "deepspec_reference": {"eager_ms": 110.0, "compiled_ms": 83.0, "peak_memory_gib": 23.9},
     }
@@ -267,6 +355,15 @@ def main(argv=None):
         ("supervised block tokens/s", f"{result['supervised_block_tokens_per_s'] / 1e3:.1f} k   (goal 86 k)"),
         (f"peak memory ({result['peak_memory_kind']})", f"{peak_gib:.2f} GiB   (goal 11.4 GiB; DeepSpec 23.9)"),
     ]  # fmt: skip
+    if flops is not None:
+        rows += [
+            ("matrix products a step (forward + backward)",
+             f"{flops['matmul'] / 1e12:.2f} TFLOP = {floor['matmul_ms']:.1f} ms at {floor['best_gemm_tflops']:.0f} "
+             "TFLOP/s (the best dense product measured here)"),
+            ("attention products, dense / inside the block mask",
+             f"{flops['attention_dense'] / 1e12:.2f} / {flops['attention_live'] / 1e12:.2f} TFLOP "
+             f"({flops['attention_live_fraction']:.0%} live; {floor['attention_live_ms']:.1f} ms at that rate)"),
+        ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     print("\n| " + "metric".ljust(width) + " | value |\n|" + "-" * (width + 2) + "|-------|")
     for key, value in rows:
