@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import hardware  # noqa: E402
 
 from hf_dspark import DSparkConfig, DSparkModel
+from hf_dspark.models import backbone
 from hf_dspark.training.arguments import draft_layer_compile_blocker
 from hf_dspark.training.compiled_layers import compiled_draft_layers
 from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
@@ -78,6 +79,10 @@ def parse_args(argv=None):
     p.add_argument("--seq_len", type=int, default=None, help="override the sequence length")
     p.add_argument("--num_anchors", type=int, default=None, help="override the anchors per sequence")
     p.add_argument("--num_layers", type=int, default=None, help="override the draft's decoder layers")
+    p.add_argument("--flex_kernel_options", type=json.loads, default=None, metavar="JSON",
+                   help='flex attention\'s Triton tile sizes, e.g. \'{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, '
+                   '"BLOCK_N2": 32}\' (backward) or BLOCK_M / BLOCK_N (forward), num_warps, num_stages; default: '
+                   "torch's choice")  # fmt: skip
     p.add_argument("--count_flops", action=argparse.BooleanOptionalAction, default=True,
                    help="count one step's floating-point operations (an eager step under torch's FlopCounterMode) and "
                    "time the best dense matrix product here: the step's matrix-product floor")  # fmt: skip
@@ -228,6 +233,7 @@ def main(argv=None):
         # The trainer's rule (this loop has neither DeepSpeed nor FSDP).
         blocker = draft_layer_compile_blocker(args.gradient_checkpointing, False, False)
         args.compile_draft_layers = cuda and blocker is None
+    backbone.FLEX_KERNEL_OPTIONS = args.flex_kernel_options  # before anything compiles
     draft, seq_len = build(args)
     cfg = draft.config
     dtype = getattr(torch, args.dtype)
@@ -317,6 +323,7 @@ def main(argv=None):
         "gradient_checkpointing": args.gradient_checkpointing,
         "compile_draft_layers": args.compile_draft_layers,
         "compile_mode": args.compile_mode,
+        "flex_kernel_options": args.flex_kernel_options,
         "loss_rows_counted_on": args.loss_rows,
         "chunk_elements": args.chunk_elements,
         "shapes": {

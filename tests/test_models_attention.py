@@ -292,6 +292,34 @@ def test_flex_attention_reads_no_memory_past_the_keys():
     torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-4)
 
 
+def test_flex_kernel_options_reach_every_flex_call(monkeypatch):
+    """backbone.FLEX_KERNEL_OPTIONS (the production benchmark's --flex_kernel_options) is passed to flex attention,
+    through the compiled wrapper and when called inside a compiled graph; None keeps torch's choice."""
+    from hf_dspark.models import backbone
+    from hf_dspark.models.anchors import flex_block_mask
+
+    seen = []
+
+    def recording(query, key, value, **kwargs):
+        seen.append(kwargs["kernel_options"])
+        return query  # [B, H, Lq, hd], the shape attend expects back
+
+    monkeypatch.setattr(backbone, "_compiled_flex_attention", lambda: (recording, {}))
+    monkeypatch.setattr(backbone, "flex_attention", recording)
+    query = key = value = torch.zeros(1, 2, 2 * BLOCK, 8)
+    mask = flex_block_mask(torch.tensor([[0, 2]]), 0, BLOCK)
+    module = torch.nn.Module()
+    module.scaling = 1.0
+    options = {"BLOCK_M1": 32, "BLOCK_N1": 64}
+    for value_set in (None, options):
+        monkeypatch.setattr(backbone, "FLEX_KERNEL_OPTIONS", value_set)
+        backbone.attend(module, query, key, value, mask, "flex")
+        with monkeypatch.context() as m:  # inside a compiled caller (compile_draft_layers)
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            backbone.attend(module, query, key, value, mask, "flex")
+    assert seen == [None, None, options, options]
+
+
 @pytest.mark.slow
 def test_flex_path_serves_several_sequence_lengths(qwen3):
     """Training batches change length; the compiled flex kernel must keep working (and agree with dense)."""

@@ -111,13 +111,15 @@ def attend(
         if pad > 0:  # keys padded to whole tiles on CPU (see anchors.flex_block_mask); the mask hides them
             key, value = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (key, value))
         if torch.compiler.is_compiling():  # inside a compiled caller (compile_draft_layers): part of its graph
-            out = flex_attention(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
+            out = flex_attention(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True,
+                                 kernel_options=FLEX_KERNEL_OPTIONS)  # fmt: skip
         else:
             # Variable-length training compiles once per padded length: allow more recompiles than dynamo's
             # default of 8 (past it, flex silently falls back to an unfused, memory-hungry path), for this call.
             compiled, limits = _compiled_flex_attention()
             with torch._dynamo.config.patch(**limits):
-                out = compiled(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True)
+                out = compiled(query, key, value, block_mask=mask, scale=module.scaling, enable_gqa=True,
+                               kernel_options=FLEX_KERNEL_OPTIONS)  # fmt: skip
         out = out.transpose(1, 2)
     else:
         if implementation == "eager" and mask is not None:
@@ -131,6 +133,12 @@ def attend(
 
 
 _FLEX = None
+
+# Triton tile sizes for flex_attention's kernels (forward BLOCK_M / BLOCK_N; backward BLOCK_M1, BLOCK_N1, BLOCK_M2,
+# BLOCK_N2; num_warps, num_stages): None keeps torch's choice for the device. A tuning knob for benchmarks
+# (`train_production_shapes.py --flex_kernel_options`); kernels read it when they compile, so set it before the first
+# step.
+FLEX_KERNEL_OPTIONS: dict | None = None
 
 
 def _compiled_flex_attention():
