@@ -38,7 +38,7 @@ from hf_dspark.models import backbone
 from hf_dspark.training.arguments import draft_layer_compile_blocker
 from hf_dspark.training.compiled_layers import compiled_draft_layers
 from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
-from hf_dspark.models.anchors import sample_anchors
+from hf_dspark.models.anchors import anchor_slots_bound, fixed_anchor_count, sample_anchors
 
 PRODUCTION = dict(
     vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=5, num_attention_heads=32,
@@ -83,6 +83,9 @@ def parse_args(argv=None):
                    help='flex attention\'s Triton tile sizes, e.g. \'{"BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, '
                    '"BLOCK_N2": 32}\' (backward) or BLOCK_M / BLOCK_N (forward), num_warps, num_stages; default: '
                    "torch's choice")  # fmt: skip
+    p.add_argument("--flops_only", action="store_true",
+                   help="print the step's matrix-product FLOPs from its shapes (product_flops) and stop: no weights, "
+                   "no device, any machine")  # fmt: skip
     p.add_argument("--count_flops", action=argparse.BooleanOptionalAction, default=True,
                    help="count one step's floating-point operations (an eager step under torch's FlopCounterMode) and "
                    "time the best dense matrix product here: the step's matrix-product floor")  # fmt: skip
@@ -91,7 +94,8 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def build(args):
+def build_config(args) -> tuple[DSparkConfig, int]:
+    """(the draft's config, the sequence length) for these arguments; no weights."""
     shapes = dict(SMOKE if args.smoke else PRODUCTION)
     if args.seq_len:
         shapes["seq_len"] = args.seq_len
@@ -113,6 +117,11 @@ def build(args):
         l1_loss_alpha=0.9,
         soft_ce_loss_alpha=0.0,
     )
+    return config, seq_len
+
+
+def build(args):
+    config, seq_len = build_config(args)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     with torch.device(args.device):  # initialize on the device: 1.4 B parameters initialize slowly on a CPU
@@ -125,17 +134,44 @@ def build(args):
     return draft, seq_len
 
 
-def synthetic_batch(config, seq_len, device, dtype):
-    """One row: a 256-token prompt (unsupervised), then supervised answer tokens; random target features."""
+def synthetic_batch(config, seq_len, device, dtype, features: bool = True):
+    """One row: a 256-token prompt (unsupervised), then supervised answer tokens; random target features (None
+    with features=False)."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     input_ids = torch.randint(0, config.vocab_size - 1, (1, seq_len), generator=gen)
     loss_mask = torch.ones(1, seq_len, dtype=torch.long)
     loss_mask[:, : min(256, seq_len // 8)] = 0
+    if not features:
+        return input_ids, loss_mask, None, None
     width = config.num_context_features * config.target_hidden_size
     context = torch.randn(1, seq_len, width, generator=gen)
     last = torch.randn(1, seq_len, config.target_hidden_size, generator=gen)
     to = lambda t: t.to(device)  # noqa: E731
     return to(input_ids), to(loss_mask), to(context).to(dtype), to(last).to(dtype)
+
+
+def product_flops(config, seq_len: int, loss_rows: int) -> dict[str, int]:
+    """The step's matrix-product FLOPs from its shapes, forward and backward, term by term (`step_flops` counts the
+    same products on a real step; a test holds the two equal): the context projection (forward, weight gradient:
+    the target's features need none), every decoder layer (block tokens' q/k/v/o and MLP, the context's k/v; each
+    forward, input gradient, weight gradient), the confidence head, and the loss's vocabulary products over its
+    `loss_rows` rows (draft, Markov and target logits; gradients of the hidden states, the Markov features and the
+    Markov weight). `loss_rows`: the row bound the trainer's collator gives the loss."""
+    c = config
+    slots = fixed_anchor_count(c.num_anchors, seq_len) * c.block_size  # the draft layers' rows
+    d, q_width, kv_width = c.hidden_size, c.num_attention_heads * c.head_dim, 2 * c.num_key_value_heads * c.head_dim
+    layer = 3 * (2 * slots * d * (q_width + kv_width) + 2 * slots * q_width * d + 6 * slots * d * c.intermediate_size
+                 + 2 * seq_len * d * kv_width)  # fmt: skip
+    markov = c.markov_rank if c.has_markov_head else 0
+    out = {
+        "context_projection": 2 * 2 * seq_len * c.num_context_features * c.target_hidden_size * d,
+        "decoder_layers": c.num_hidden_layers * layer,
+        "confidence_head": (3 * 2 * slots * (d + (markov if c.confidence_head_with_markov else 0))
+                            if c.enable_confidence_head else 0),
+        "vocabulary": 3 * 2 * loss_rows * c.vocab_size * (d + markov),
+    }
+    out["total"] = sum(out.values())
+    return out
 
 
 def step_flops(draft, input_ids, loss_mask, context, last, positions, valid, max_rows, chunk_elements) -> dict:
@@ -223,8 +259,25 @@ def profile_steps(step, first: int, path: str, cuda: bool) -> None:
     print(prof.key_averages().table(sort_by=key, row_limit=15))
 
 
+def flops_only(args) -> dict:
+    """`--flops_only`: the product count of one step at the configured shapes, from the shapes alone."""
+    cfg, seq_len = build_config(args)
+    loss_mask = synthetic_batch(cfg, seq_len, torch.device("cpu"), torch.float32, features=False)[1]
+    rows = anchor_slots_bound(loss_mask, cfg.num_anchors, cfg.block_size)  # DSparkModel.loss_rows_bound_fn's bound
+    result = {"benchmark": "train_production_shapes --flops_only", "command": "python " + " ".join(sys.argv),
+              "seq_len": seq_len, "loss_rows": rows, "product_flops": product_flops(cfg, seq_len, rows)}  # fmt: skip
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print("| matrix products of one step (forward + backward) | TFLOP |\n|---|---|")
+    for name, flops in result["product_flops"].items():
+        print(f"| {name.replace('_', ' ')} | {flops / 1e12:.3f} |")
+    return result
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.flops_only:
+        return flops_only(args)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if args.compile_loss is None:

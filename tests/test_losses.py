@@ -424,28 +424,26 @@ def test_production_shapes_benchmark_runs_its_smoke_configuration(tmp_path, extr
     assert result["flops"]["matmul"] > 0 and result["floor"]["matmul_ms"] > 0
 
 
-def test_production_shapes_flop_count_adds_one_layer_of_products_per_layer():
-    """The benchmark's FLOP count (FlopCounterMode on an eager step) grows by exactly one decoder layer's products,
-    forward and backward, from a 1-layer to a 2-layer draft: the block tokens' q/k/v/o and MLP products and the
-    context's k/v, each computed once forward and twice backward (input and weight gradients)."""
+def test_production_shapes_flop_count_equals_the_shape_formula():
+    """The benchmark's FLOP count (torch's FlopCounterMode on an eager step) equals `product_flops`, the products
+    written out from the shapes, for 1- and 2-layer drafts; so does the attention count. The README's production
+    figures come from that formula (`--flops_only`)."""
     from conftest import load_script
 
     bench = load_script("benchmarks/train_production_shapes.py")
     counts = {}
     for layers in (1, 2):
-        result = bench.main(["--device", "cpu", "--smoke", "--steps", "1", "--warmup", "1",
-                             "--num_layers", str(layers)])  # fmt: skip
+        argv = ["--device", "cpu", "--smoke", "--steps", "1", "--warmup", "1", "--num_layers", str(layers)]
+        result = bench.main(argv)
         counts[layers] = result["flops"]
         assert result["floor"]["best_gemm_tflops"] > 0 and result["floor"]["matmul_ms"] > 0
+        config, seq_len = bench.build_config(bench.parse_args(argv))
+        formula = bench.product_flops(config, seq_len, bench.main([*argv, "--flops_only"])["loss_rows"])
+        assert counts[layers]["matmul"] == formula["total"] > 0, (counts[layers]["by_operator"], formula)
+        assert formula["decoder_layers"] > 0 and formula["vocabulary"] > 0 and formula["confidence_head"] > 0
     shapes = result["shapes"]
-    d, inter, hd = shapes["hidden"], shapes["intermediate"], shapes["head_dim"]
-    q_width, kv_width = shapes["heads"] * hd, 2 * shapes["kv_heads"] * hd
     rows = shapes["anchors"] * shapes["block"]  # every anchor slot (fixed count, shorter than the sequence)
-    forward = (2 * rows * d * (q_width + kv_width + inter * 3)  # q, k, v; gate, up, down
-               + 2 * rows * q_width * d  # o
-               + 2 * shapes["seq_len"] * d * kv_width)  # the context's k, v  # fmt: skip
-    assert counts[2]["matmul"] - counts[1]["matmul"] == 3 * forward
-    per_layer = 12 * shapes["heads"] * rows * (shapes["seq_len"] + rows) * hd  # QK^T and PV, x3 with backward
+    per_layer = 12 * shapes["heads"] * rows * (shapes["seq_len"] + rows) * shapes["head_dim"]  # QK^T, PV; x3 backward
     assert counts[1]["attention_dense"] == per_layer and counts[2]["attention_dense"] == 2 * per_layer
     assert 0 < counts[2]["attention_live_fraction"] < 1
     assert counts[2]["attention_live"] == pytest.approx(2 * per_layer * counts[2]["attention_live_fraction"])
