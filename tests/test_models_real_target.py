@@ -60,3 +60,30 @@ def test_text_generation_pipeline_takes_a_draft_and_answers_as_the_target_alone(
     with_draft = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=draft)(chats, **kw)
     assert with_draft == expected
     assert draft.last_generation_stats is not None and draft.last_generation_stats.acceptance.rounds > 0
+
+
+@pytest.mark.slow
+def test_default_target_converts_into_bfloat16_equal_to_a_bfloat16_load(tmp_path, monkeypatch, capfd):
+    """The GGUF is converted once, in float32 then cast (newer transformers keep GGUF weights packed and warn for any
+    other dtype): the saved weights are bfloat16 and equal, bit for bit, what a bfloat16 load of the GGUF gives;
+    the config says bfloat16; no dtype warning reaches the user; a second call converts nothing."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from conftest import require_default_target
+    from hf_dspark.resources import _gguf_file, default_target_path
+
+    require_default_target()
+    monkeypatch.setenv("HF_DSPARK_CACHE", str(tmp_path))
+    capfd.readouterr()
+    path = default_target_path()
+    assert "weights packed" not in capfd.readouterr().err
+    saved = load_file(str(next(path.glob("*.safetensors"))))
+    gguf = _gguf_file()
+    direct = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    expected = direct.state_dict()
+    assert {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert [k for k in saved if not torch.equal(saved[k], expected[k])] == []
+    assert '"dtype": "bfloat16"' in (path / "config.json").read_text()
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert default_target_path() == path and (path / "config.json").stat().st_mtime_ns == stamp

@@ -51,9 +51,12 @@ def default_target_path() -> Path:
 
     gguf = _gguf_file()
     logger.warning("converting %s once into %s ($HF_DSPARK_CACHE, default ~/.cache/hf_dspark)", gguf.name, out)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16)
+    # Loaded in float32: newer transformers keep GGUF weights packed and warn for any other dtype. Dequantized
+    # float32 weights cast to bfloat16 equal a bfloat16 load bit for bit (checked on SmolLM2's Q4_1 file).
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
+    model = model.to(torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if tokenizer.pad_token is None:
         # The GGUF tokenizer has no pad token; batching needs one (left padding, masked out).
