@@ -60,6 +60,9 @@ def family(name: str) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None, help="target model folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--random_weights", action="store_true",
+                   help="the target's config and tokenizer, randomly initialized weights (seeded; no weights file "
+                   "needed): the same shapes and kernels, so the same timings")  # fmt: skip
     p.add_argument("--data", default=None, help="conversations answered by the target, JSONL(.gz)")
     p.add_argument("--algorithm", default="dspark", choices=["dspark", "dflash", "eagle3"])
     add_draft_shape_args(p)
@@ -83,6 +86,14 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def random_target(path, dtype: torch.dtype, seed: int):
+    """The causal LM of the folder's config with seeded random weights, in eval mode (its weights are not read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+
+
 def build(args, cuda: bool, output_dir: str):
     from hf_dspark import DraftTrainer
     from hf_dspark.data import load_conversations, tokenize_conversations
@@ -90,9 +101,16 @@ def build(args, cuda: bool, output_dir: str):
     if args.smoke:
         target, rows = tiny_target(num_rows=4 * args.batch_size, length=args.max_length)
     else:
-        from hf_dspark.resources import load_target
+        from transformers import AutoTokenizer
 
-        target, tokenizer = load_target(args.target, dtype="bfloat16" if cuda else "float32")
+        from hf_dspark.resources import default_target_path, load_target
+
+        dtype = torch.bfloat16 if cuda else torch.float32
+        if args.random_weights:
+            path = args.target or default_target_path()
+            target, tokenizer = random_target(path, dtype, args.seed), AutoTokenizer.from_pretrained(path)
+        else:
+            target, tokenizer = load_target(args.target, dtype=dtype)
         conversations = load_conversations(args.data)
         conversations = conversations.select(range(min(len(conversations), 64 * args.batch_size)))
         rows = tokenize_conversations(conversations, tokenizer, max_length=args.max_length)

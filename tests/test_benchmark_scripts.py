@@ -132,6 +132,26 @@ def test_profile_training_smoke_reports_every_phase(tmp_path, extra):
     assert report["trainer_step_ms"] > 0 and json.loads(out.read_text())["hardware"]["torch"]
 
 
+def test_profile_training_random_weights_keep_the_target_shape_without_its_weights(tmp_path):
+    """--random_weights: the folder's config with seeded random weights; the weights file is never read."""
+    import torch
+    from conftest import make_tiny_target
+
+    module = load_script("benchmarks/profile_training.py")
+    saved = make_tiny_target("llama")
+    saved.save_pretrained(tmp_path)
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()
+    first, again = (module.random_target(tmp_path, torch.float32, seed=3) for _ in range(2))
+    assert first.config.to_dict() == again.config.to_dict() and not first.training
+    assert first.config.num_hidden_layers == saved.config.num_hidden_layers
+    assert first.config.hidden_size == saved.config.hidden_size
+    names = [n for n, _ in saved.named_parameters()]
+    assert names == [n for n, _ in first.named_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))  # seeded
+    assert not all(torch.equal(a, b) for a, b in zip(first.parameters(), saved.parameters()))
+
+
 def test_profile_training_traces_steps_after_untraced_ones():
     """The kernel table traces the last --trace_steps steps of one train() call, after --warmup untraced ones (a
     fresh train()'s first step holds one-time work), times the same steps, and leaves the trainer's callbacks as
