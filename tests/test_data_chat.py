@@ -297,3 +297,28 @@ def test_hub_dataset_offline_error_names_the_local_alternative(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="could not load the Hub dataset 'someone/chats'.*local JSONL"):
         load_conversations("someone/chats")
+
+
+def test_token_offsets_equal_the_tokenizers_own_call_and_fall_back_where_the_backend_adds_settings(smol_tokenizer):
+    """The data path calls a fast tokenizer's backend directly; its ids and offsets must be what the tokenizer's
+    own call returns, and a backend configured to truncate, pad or split special tokens goes through that call."""
+    from hf_dspark.data.chat import assistant_char_spans, token_offsets
+
+    texts = [assistant_char_spans(CONVERSATION, smol_tokenizer)[0], "plain text, émoji 🙂 and <|im_end|> inside", ""]
+
+    def own_call(tok):
+        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [(list(ids), [tuple(o) for o in offsets]) for ids, offsets in zip(enc["input_ids"], enc["offset_mapping"])]
+
+    def ours(tok):
+        return [(list(ids), [tuple(o) for o in offsets]) for ids, offsets in token_offsets(tok, texts)]
+
+    assert ours(smol_tokenizer) == own_call(smol_tokenizer)
+    truncating = copy.deepcopy(smol_tokenizer)
+    truncating.backend_tokenizer.enable_truncation(max_length=4)  # a tokenizer.json may ship such a setting
+    assert ours(truncating) == own_call(truncating)  # transformers lifts it for an un-truncated call; so do we
+    assert len(ours(truncating)[0][0]) > 4
+    splitting = copy.deepcopy(smol_tokenizer)
+    splitting.split_special_tokens = True
+    assert ours(splitting) == own_call(splitting)
+    assert ours(splitting)[1][0] != ours(smol_tokenizer)[1][0]  # "<|im_end|>" split into pieces there
