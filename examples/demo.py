@@ -130,12 +130,13 @@ def main():
     conversations = conversations.filter(lambda row: row["messages"][0]["content"] not in held_out_text)
     if args.train_rows is not None:
         conversations = conversations.select(range(min(args.train_rows, len(conversations))))
-    rows = tokenize_conversations(conversations, tokenizer, max_length=1024 if cuda else 256)
+    rows = tokenize_conversations(conversations, tokenizer, max_length=1024 if cuda else 256,
+                                  max_loop_repeats=DraftTrainingArguments.max_loop_repeats)  # the recipe's
     sources = data if isinstance(data, str) else " + ".join(data)
     step(f"training data: {len(rows)} conversations from {sources}")
 
     # 2. Train a DSpark draft with the target online, for a time budget. CUDA: the tested recipe (the defaults:
-    # 2 layers, 512 anchors, 1,024 tokens, lr 6e-4 cosine fitted to the budget); CPU: a draft small enough to
+    # 2 layers, 256 anchors, 1,024 tokens, lr 6e-4 cosine fitted to the budget); CPU: a draft small enough to
     # take a few dozen steps in 3 minutes.
     small = {} if cuda else dict(
         num_hidden_layers=1, num_anchors=32, max_length=256, per_device_train_batch_size=4, learning_rate=2e-3,

@@ -221,8 +221,10 @@ def test_cut_answers_keep_max_loop_repeats_of_their_loop(smol_tokenizer, caplog)
     text = smol_tokenizer.decode(ids[start:keep])
     assert text.startswith("Here is the plan.") and text.count("Step one is to repeat") == 2, text
     assert "cut the repetition loops of 1 answers" in caplog.text
-    with pytest.raises(ValueError, match="max_loop_repeats must be >= 1"):
-        tokenize_conversations(ds, smol_tokenizer, 4096, max_loop_repeats=0)
+    # 0 keeps loops whole, as None does (the training flag's spelling of "off"); a negative count is an error.
+    assert tokenize_conversations(ds, smol_tokenizer, 4096, min_loss_tokens=1, max_loop_repeats=0)[0] == whole[0]
+    with pytest.raises(ValueError, match="max_loop_repeats must be >= 0"):
+        tokenize_conversations(ds, smol_tokenizer, 4096, max_loop_repeats=-1)
 
 
 def test_all_rows_unusable_is_an_error_naming_the_reasons(smol_tokenizer):

@@ -208,6 +208,30 @@ def test_cli_train_runs_the_example_code_path(tiny_setup, monkeypatch):
     assert isinstance(draft, Eagle3Model) and draft.config.ttt_length == 4
 
 
+def test_recipe_defaults_reach_a_run_and_flags_restore_the_earlier_ones(tiny_setup, monkeypatch):
+    """The recipe's data and anchor defaults (loops cut to 2 repeats; DSpark 256 anchors, DFlash its config's 512)
+    reach a run started with no such flags; --max_loop_repeats 0 and --num_anchors 512 give the earlier recipe."""
+    import hf_dspark.data as data
+    from hf_dspark.cli import main
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tiny_setup / "hf_datasets"))
+    seen = []
+    tokenize = data.tokenize_conversations
+    monkeypatch.setattr(data, "tokenize_conversations",
+                        lambda *a, **kw: seen.append(kw["max_loop_repeats"]) or tokenize(*a, **kw))  # fmt: skip
+
+    def run(output, algorithm, extra=()):
+        flags = common_flags(tiny_setup, output, algorithm)
+        flags[flags.index("--max_steps") + 1] = "1"
+        assert main(["train", *flags, *extra]) == 0
+        return AutoModel.from_pretrained(tiny_setup / output).config
+
+    assert run("recipe_dspark", "dspark").num_anchors == 256 and seen == [2]
+    assert run("recipe_dflash", "dflash").num_anchors == 512
+    earlier = run("earlier_dspark", "dspark", ["--max_loop_repeats", "0", "--num_anchors", "512"])
+    assert earlier.num_anchors == 512 and seen[-1] == 0
+
+
 def test_eval_file_replaces_the_held_out_split(tiny_setup, tmp_path, monkeypatch):
     """--eval_file: the held-out rows come from that file (its first --eval_rows), every training row trains; runs
     on different data can then be compared on the same held-out rows."""
@@ -360,7 +384,10 @@ def test_every_ablation_variant_is_flags_the_training_script_takes(tmp_path):
         return {k: v for part in parser.parse_args_into_dataclasses(base + flags) for k, v in vars(part).items()}
 
     defaults = parsed([])
+    assert set(ablations.NOW_DEFAULTS) <= set(ablations.VARIANTS)
     for name, flags in ablations.VARIANTS.items():
+        if name in ablations.NOW_DEFAULTS:  # the recipe since: they repeat the defaults on purpose
+            continue
         values = parsed(flags)
         for field in (f[2:] for f in flags if f.startswith("--")):
             assert values[field] != defaults[field], (name, field)

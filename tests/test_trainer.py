@@ -654,9 +654,11 @@ def test_defaults_are_the_tested_recipe():
     assert args.bf16 is False and args.compile_loss is False  # no GPU: full precision, eager loss
     assert args.compile_target is False  # the online target compiled on CUDA only
     assert args.compile_draft_layers is False
+    assert args.max_loop_repeats == 2  # cut answers keep two repeats of a final loop
     # The measured recipe's depth: 2 layers for block drafters (a 1-layer default once trained the wrong draft).
     target = make_tiny_target("llama")
     assert build_draft(target, args).config.num_hidden_layers == 2
+    assert build_draft(target, args).config.num_anchors == 256  # DSpark's recipe; the config's own default is 512
     args.algorithm = "eagle3"
     assert build_draft(target, args).config.num_hidden_layers == 1
 

@@ -193,7 +193,8 @@ def tokenize_conversations(
     Rows with `finish == "length"` (answers cut at a token limit, as written by `regenerate_responses`) do
     not supervise the end marker the template appends to their last answer. Such answers often end in a
     repetition loop (a small model's sampled answers do): with `max_loop_repeats` = k, a cut answer whose end
-    repeats one span (`repetition_loop`) keeps k repeats of it and the row ends there. Rows are truncated to
+    repeats one span (`repetition_loop`) keeps k repeats of it and the row ends there (0 or None: whole loops;
+    the training recipe's `DraftTrainingArguments.max_loop_repeats` is 2). Rows are truncated to
     `max_length` tokens. Rows with fewer than `min_loss_tokens` supervised tokens (after
     truncation), with no assistant turn, or with malformed `messages` are dropped and counted in the log; if no
     row survives, a ValueError says why. `num_proc` processes render the templates (None: one per
@@ -211,8 +212,9 @@ def tokenize_conversations(
         raise ValueError("the conversation dataset has no rows")
     end_ids = sorted(special_token_ids(tokenizer))
 
-    if max_loop_repeats is not None and max_loop_repeats < 1:
-        raise ValueError(f"max_loop_repeats must be >= 1 (or None to keep loops whole), got {max_loop_repeats}")
+    if max_loop_repeats is not None and max_loop_repeats < 0:
+        raise ValueError(f"max_loop_repeats must be >= 0 (0 or None keeps loops whole), got {max_loop_repeats}")
+    max_loop_repeats = max_loop_repeats or None
 
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
         finishes = batch.get("finish") or [None] * len(batch["messages"])

@@ -52,8 +52,9 @@ class BuildCacheArguments:
     split: str = field("train", help="dataset split")
     max_length: int = field(2048, help="tokens per conversation (longer ones are cut)")
     min_loss_tokens: int = field(14, help="conversations with fewer supervised tokens are dropped")
-    max_loop_repeats: int | None = field(
-        None, help="answers cut at the length limit that end in a repetition loop keep at most this many repeats"
+    max_loop_repeats: int = field(
+        2, help="answers cut at the length limit that end in a repetition loop keep at most this many repeats (0: whole "
+        "loops; 2 is the training recipe's)"
     )
     target_layer_ids: str | None = field(
         None, help="comma-separated target layers (-1 = embeddings); default: 5 evenly spaced non-final layers"

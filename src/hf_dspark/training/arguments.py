@@ -96,10 +96,11 @@ class DraftTrainingArguments(TrainingArguments):
     min_loss_tokens: int = field(
         default=14, metadata={"help": "Drop conversations with fewer supervised (assistant) tokens than this."}
     )
-    max_loop_repeats: int | None = field(
-        default=None,
+    max_loop_repeats: int = field(
+        default=2,
         metadata={"help": "Answers cut at the length limit (finish == 'length') that end in a repetition loop keep at "
-                  "most this many repeats of it (default: whole loops)."},
+                  "most this many repeats of it (0: whole loops). 2 against whole loops in 6-minute ablations: "
+                  "+0.12 decoded τ greedy, +0.08 at T = 1."},
     )  # fmt: skip
     pad_to_multiple_of: int = field(
         default=256, metadata={"help": "Pad batch lengths to a multiple of this (fewer shapes for compiled kernels)."}
@@ -207,6 +208,8 @@ class DraftTrainingArguments(TrainingArguments):
             raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
         if self.max_train_minutes is not None and self.max_train_minutes <= 0:
             raise ValueError(f"max_train_minutes must be > 0, got {self.max_train_minutes}")
+        if self.max_loop_repeats is not None and self.max_loop_repeats < 0:
+            raise ValueError(f"max_loop_repeats must be >= 0 (0 keeps loops whole), got {self.max_loop_repeats}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
 

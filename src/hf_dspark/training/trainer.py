@@ -71,7 +71,8 @@ DRAFT_FIELDS = {
 def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrainedModel:
     """A fresh draft of `args.algorithm` for `target`, shaped by the draft fields of `args`."""
     config_cls, model_cls = drafter_classes(args.algorithm)
-    overrides = {}
+    spec = drafter_spec(args.algorithm)
+    overrides = {} if spec.recipe_anchors is None else {"num_anchors": spec.recipe_anchors}
     for name in DRAFT_FIELDS:
         value = getattr(args, name, None)
         if value is None:
@@ -84,7 +85,7 @@ def build_draft(target: nn.Module, args: DraftTrainingArguments) -> DraftPreTrai
             overrides[name] = getattr(args, name)
     layers = getattr(args, "num_hidden_layers", None)
     if layers is None:
-        layers = drafter_spec(args.algorithm).recipe_layers
+        layers = spec.recipe_layers
     return model_cls.from_target(
         target,
         target_layer_ids=getattr(args, "target_layer_ids", None),
