@@ -155,6 +155,34 @@ def test_markov_heads_agree_between_teacher_forcing_and_sampling(head, qwen3):
     torch.testing.assert_close(prop.probs, torch.softmax(prop.logits, -1))
 
 
+def test_covering_passes_hold_every_candidate_once_in_the_training_shape():
+    """Held-out anchor passes: each pass has the training step's anchor count, sorted, dummies last; together they
+    hold every candidate of every row exactly once, each pass spread over the whole row."""
+    from hf_dspark.models.anchors import anchor_candidates, covering_anchor_passes, fixed_anchor_count
+
+    gen = torch.Generator().manual_seed(0)
+    loss_mask = (torch.rand(5, 40, generator=gen) < 0.8).long()
+    loss_mask[3] = 0  # a row without an answer
+    loss_mask[4, :] = 1  # every position a candidate but the last
+    cand = anchor_candidates(loss_mask)
+    n = fixed_anchor_count(6, 40)
+    passes = covering_anchor_passes(loss_mask, 6)
+    assert len(passes) == -(-int(cand.sum(1).max()) // n) == 7  # row 4: 39 candidates, 6 a pass
+    seen = torch.zeros_like(cand, dtype=torch.long)
+    for positions, valid in passes:
+        assert positions.shape == valid.shape == (5, n)
+        real = torch.where(valid, positions, torch.full_like(positions, 99))
+        assert torch.equal(real, real.sort(dim=1).values)  # sorted, dummy anchors last
+        assert torch.all(positions[~valid] == 0)
+        seen.scatter_add_(1, positions, valid.long())
+    assert torch.equal(seen, cand.long())  # every candidate once, nothing else
+    first, _ = passes[0]
+    assert first[4].tolist() == list(range(0, 39, 7))[:n]  # pass 0 takes every 7th candidate of a full row
+    assert len(covering_anchor_passes(loss_mask, 6, passes=9)) == 9  # more passes (other processes need them)
+    with pytest.raises(ValueError, match="cannot cover"):
+        covering_anchor_passes(loss_mask, 6, passes=2)
+
+
 def test_anchor_sampling_respects_loss_mask_and_is_sorted():
     lm = torch.zeros(3, 30, dtype=torch.long)
     lm[0, 5:25] = 1

@@ -102,11 +102,13 @@ def test_example_trains_online_in_one_process(tiny_setup):
 @pytest.mark.slow
 def test_example_builds_a_cache_and_trains_from_it_in_two_gloo_processes(tiny_setup):
     flags = common_flags(tiny_setup, "cached", "dspark")
-    flags += ["--cache_dir", str(tiny_setup / "cache"), "--eval_rows", "2"]
+    # 4 anchors a row: the held-out rows (about 30 answer positions) are walked in passes, as many on both processes.
+    flags += ["--cache_dir", str(tiny_setup / "cache"), "--eval_rows", "2", "--num_anchors", "4"]
     out = launch(tiny_setup, 2, flags)
     manifest = json.loads((tiny_setup / "cache" / "train" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["num_rows"] == 10
-    assert "eval_tau_prob" in out and "draft saved to" in out
+    assert "eval_tau_prob" in out and "eval_tau_walk_prob" in out and "draft saved to" in out
+    assert "walk_rows_skipped" not in out
     assert "loss_conf" in out  # the DSpark objective ran under DDP (Markov W2 gets its gradient outside forward)
     draft = AutoModel.from_pretrained(tiny_setup / "cached")
     assert isinstance(draft, DSparkModel)

@@ -32,7 +32,8 @@ def teacher_forced_estimates(
     """{"tau_prob", "tau_greedy", "tau_walk_prob", "tau_walk_greedy", "accept_rate_by_position", "sequences"} of
     `draft` on `prompt + completion` token sequences, the completions supervised (as `DraftTrainer.evaluate`
     computes held-out τ); {} when no completion has two tokens. The walk values count rounds as decoding would
-    (`metrics.decoding_walk_estimates`; absent where the draft's anchors do not cover every answer position)."""
+    (`metrics.decoding_walk_estimates`; every answer position anchors a block, in passes of the draft's
+    `num_anchors`)."""
     import datasets
 
     from ..training import DraftTrainer, DraftTrainingArguments

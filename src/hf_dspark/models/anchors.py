@@ -55,6 +55,36 @@ def sample_anchors(
     return positions, valid.gather(1, order)
 
 
+def covering_anchor_passes(loss_mask: torch.Tensor, num_anchors: int, passes: int | None = None):
+    """Every anchor candidate of every row, split over passes of the training step's shape: each pass is
+    `(positions [B, N], valid [B, N])` as `sample_anchors(..., fixed_count=True)` returns them (sorted, masked
+    dummy anchors at position 0 placed last, N = `fixed_anchor_count(num_anchors, T)`). Pass j holds each row's
+    candidates j, j + P, j + 2P, ... (in position order) for P passes, so every pass spreads over the whole row.
+    Blocks do not see each other, so the passes together give a block at every candidate, as if N were T: what
+    a held-out walk needs (`metrics.decoding_walk_estimates`), with no new compiled shapes.
+
+    P = ceil(most candidates in a row / N), read on the host; `passes` (at least that) overrides it, e.g. the
+    largest P over processes, so that sharded models run the same number of forwards on every process."""
+    cand = anchor_candidates(loss_mask)
+    seq = cand.shape[1]
+    n = fixed_anchor_count(num_anchors, seq)
+    needed = max(1, -(-int(cand.sum(dim=1).max().item()) // n)) if seq else 1
+    if passes is None:
+        passes = needed
+    elif passes < needed:
+        raise ValueError(f"{passes} passes of {n} anchors cannot cover a row with up to {needed * n} candidates")
+    rank = cand.long().cumsum(dim=1) - 1  # each candidate's index among its row's candidates
+    where = torch.arange(seq, device=cand.device).expand_as(cand)
+    out = []
+    for j in range(passes):
+        take = cand & (rank % passes == j)
+        # Taken positions first, in order; the rest sort past the end (seq) and become dummy anchors.
+        first = torch.where(take, where, torch.full_like(where, seq)).sort(dim=1).values[:, :n]
+        valid = first < seq
+        out.append((torch.where(valid, first, torch.zeros_like(first)), valid))
+    return out
+
+
 def fixed_anchor_count(num_anchors: int, seq_len: int) -> int:
     """Blocks per row when the count is fixed by the padded length (`sample_anchors(..., fixed_count=True)`)."""
     return max(1, min(num_anchors, seq_len - 1))

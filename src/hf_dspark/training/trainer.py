@@ -44,7 +44,7 @@ from transformers.trainer_callback import ExportableState, ProgressCallback
 from ..compilation import compile_mark, compile_report, compile_seconds_since, keep_compilation_records
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..metrics import decoding_walk_estimates
-from ..models.anchors import anchor_candidates, sample_anchors
+from ..models.anchors import anchor_candidates, covering_anchor_passes, sample_anchors
 from ..target import decoder_layers, target_features
 from .arguments import DraftTrainingArguments, draft_layer_compile_blocker
 from .checkpoints import resolve_resume_checkpoint
@@ -335,28 +335,55 @@ class DraftTrainer(Trainer):
         max_rows = inputs.pop(LOSS_ROWS_BOUND, None)
         if "context_features" not in inputs:
             inputs.update(self._target_features(draft, inputs))
-        if hasattr(draft.config, "num_anchors"):
+        losses, walked = [], []
+        for anchors, rows_bound in self._anchor_sets(draft, mode, inputs, max_rows):
+            batch = {**inputs, **anchors}
+            outputs = self._run_compiled("_compiled_draft_layers", lambda: model(**batch), "draft layers",
+                                         "compile_draft_layers")  # fmt: skip
+            with self._gathered_output_weights(draft), self._mixed_precision():
+                result = draft_loss(
+                    draft,
+                    outputs,
+                    chunk_elements=getattr(self.args, "loss_chunk_elements", None),
+                    compile=getattr(self.args, "compile_loss", False),
+                    backend=getattr(self.args, "loss_backend", "auto"),
+                    normalization=getattr(self.args, "loss_normalization", "token"),
+                    anchor_weighting=getattr(self.args, "anchor_weighting", "uniform"),
+                    max_rows=rows_bound,
+                )
+            self._record(mode, result)
+            if mode == "train":
+                losses.append(result.loss)
+                continue
+            losses.append(result.loss.detach())  # a held-out pass's graph is not kept for the next one
+            if result.blocks:
+                walked.append((batch, {name: block.detach() for name, block in result.blocks.items()}))
+        if walked:
+            self._record_decoding_walk(*merge_anchor_passes(walked))
+        loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        return (loss, outputs) if return_outputs else loss
+
+    def _anchor_sets(self, draft, mode: str, inputs, max_rows: int | None) -> list[tuple[dict, int | None]]:
+        """The anchor blocks of a batch, as (forward inputs, the loss's row bound): training samples `num_anchors`
+        per row at random; a held-out batch takes every candidate, in passes of the training step's shape
+        (`covering_anchor_passes`), so the walk sees every row and held-out τ averages over every position (one
+        forward a pass: up to T / num_anchors a batch). A drafter without anchors (Eagle3) has one set with none."""
+        if not hasattr(draft.config, "num_anchors"):
+            return [({}, max_rows)]
+        loss_mask = inputs["loss_mask"] * inputs["attention_mask"]
+        num_anchors = draft.config.num_anchors
+        if mode == "train":
             generator = self._anchor_generator(mode, inputs)
-            loss_mask = inputs["loss_mask"] * inputs["attention_mask"]
-            positions, valid = sample_anchors(loss_mask, draft.config.num_anchors, generator, fixed_count=True)
-            inputs.update(anchor_positions=positions, anchor_mask=valid)
-        outputs = self._run_compiled("_compiled_draft_layers", lambda: model(**inputs), "draft layers",
-                                     "compile_draft_layers")  # fmt: skip
-        with self._gathered_output_weights(draft), self._mixed_precision():
-            result = draft_loss(
-                draft,
-                outputs,
-                chunk_elements=getattr(self.args, "loss_chunk_elements", None),
-                compile=getattr(self.args, "compile_loss", False),
-                backend=getattr(self.args, "loss_backend", "auto"),
-                normalization=getattr(self.args, "loss_normalization", "token"),
-                anchor_weighting=getattr(self.args, "anchor_weighting", "uniform"),
-                max_rows=max_rows,
-            )
-        self._record(mode, result)
-        if mode == "eval" and result.blocks:
-            self._record_decoding_walk(inputs, result.blocks)
-        return (result.loss, outputs) if return_outputs else result.loss
+            positions, valid = sample_anchors(loss_mask, num_anchors, generator, fixed_count=True)
+            return [({"anchor_positions": positions, "anchor_mask": valid}, max_rows)]
+        passes = covering_anchor_passes(loss_mask, num_anchors)
+        if self.args.world_size > 1:  # sharded weights gather in every forward: the same count on every process
+            most = self.accelerator.reduce(torch.tensor([len(passes)], device=self.args.device), reduction="max")
+            passes = covering_anchor_passes(loss_mask, num_anchors, passes=int(most.item()))
+        # A pass holds a share of each row's anchors: its own bound (anchors x slots) is the tighter one.
+        anchors = torch.stack([valid.sum() for _, valid in passes]).tolist()
+        bounds = [None if max_rows is None else min(max_rows, n * draft.config.block_size) for n in anchors]
+        return [({"anchor_positions": p, "anchor_mask": v}, bound) for (p, v), bound in zip(passes, bounds)]
 
     def _target_features(self, draft, inputs) -> dict[str, torch.Tensor]:
         if self.target_model is None:
@@ -549,7 +576,7 @@ class DraftTrainer(Trainer):
         if "walk_tokens" in sums and float(sums["walk_rounds_greedy"]) > 0:
             logs["tau_walk_greedy"] = float(sums["walk_tokens"] / sums["walk_rounds_greedy"])
             logs["tau_walk_prob"] = float(sums["walk_tokens"] / sums["walk_rounds_prob"])
-        if float(sums.get("walk_rows_skipped", 0)) > 0:  # rows longer than the anchors cover
+        if float(sums.get("walk_rows_skipped", 0)) > 0:  # not expected: held-out batches anchor every position
             logs["walk_rows_skipped"] = float(sums["walk_rows_skipped"])
         return logs
 
@@ -576,6 +603,25 @@ class DraftTrainer(Trainer):
             logs["train_samples_per_second"] = round(steps * self.args.train_batch_size * self.args.gradient_accumulation_steps
                                                      * self.args.world_size / logs["train_runtime"], 3)
         super().log(logs, start_time)
+
+
+def merge_anchor_passes(passes: list[tuple[dict, dict]]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(inputs, blocks) of held-out passes over one batch -> one (inputs, blocks) holding every pass's blocks,
+    sorted by anchor position in each row (dummy anchors last), as `metrics.decoding_walk_estimates` reads them.
+    blocks: [B, N, K] tensors of each pass."""
+    if len(passes) == 1:
+        return passes[0]
+    inputs = dict(passes[0][0])
+    positions = torch.cat([batch["anchor_positions"] for batch, _ in passes], dim=1)
+    valid = torch.cat([batch["anchor_mask"] for batch, _ in passes], dim=1).bool()
+    past_end = torch.full_like(positions, inputs["loss_mask"].shape[1])
+    order = torch.where(valid, positions, past_end).argsort(dim=1, stable=True)
+    inputs.update(anchor_positions=positions.gather(1, order), anchor_mask=valid.gather(1, order))
+    blocks = {}
+    for name in passes[0][1]:
+        parts = torch.cat([part[name] for _, part in passes], dim=1)
+        blocks[name] = parts.gather(1, order[..., None].expand(-1, -1, parts.shape[2]))
+    return inputs, blocks
 
 
 class _FirstStepTimer(TrainerCallback):
