@@ -373,8 +373,7 @@ class DraftTrainer(Trainer):
         loss_mask = inputs["loss_mask"] * inputs["attention_mask"]
         num_anchors = draft.config.num_anchors
         if mode == "train":
-            generator = self._anchor_generator(mode, inputs)
-            positions, valid = sample_anchors(loss_mask, num_anchors, generator, fixed_count=True)
+            positions, valid = sample_anchors(loss_mask, num_anchors, self._anchor_generator(), fixed_count=True)
             return [({"anchor_positions": positions, "anchor_mask": valid}, max_rows)]
         passes = covering_anchor_passes(loss_mask, num_anchors)
         if self.args.world_size > 1:  # sharded weights gather in every forward: the same count on every process
@@ -429,15 +428,14 @@ class DraftTrainer(Trainer):
             return None
         return compiled_draft_layers(self.accelerator.unwrap_model(self.model))
 
-    def _anchor_generator(self, mode: str, inputs) -> torch.Generator:
-        if mode == "train":
-            step = self.state.global_step
-            if step != self._anchor_step:  # micro-steps of one optimizer step are counted from 0
-                self._anchor_step, self._anchor_micro = step, 0
-            seed = _mix_seed(data_seed(self.args), step, self._anchor_micro, self.args.process_index)
-            self._anchor_micro += 1
-        else:  # evaluation: anchors depend on the batch only, so every evaluation sees the same blocks
-            seed = _mix_seed(data_seed(self.args), -1, int(inputs["input_ids"].sum()), inputs["input_ids"].shape[1])
+    def _anchor_generator(self) -> torch.Generator:
+        """The training anchors' generator: seeded by the data seed, the step, the micro-step and the process, so a
+        resumed run draws the anchors the uninterrupted one would. (Held-out batches take every position.)"""
+        step = self.state.global_step
+        if step != self._anchor_step:  # micro-steps of one optimizer step are counted from 0
+            self._anchor_step, self._anchor_micro = step, 0
+        seed = _mix_seed(data_seed(self.args), step, self._anchor_micro, self.args.process_index)
+        self._anchor_micro += 1
         return torch.Generator(device=self.args.device).manual_seed(seed)
 
     def _mixed_precision(self):
