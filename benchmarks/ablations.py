@@ -60,6 +60,7 @@ VARIANTS = {
     "min_lr_0.1": ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}'],
     # DSpark's recipe samples 256 anchors and cuts final loops to 2 repeats since the 6-minute x5 ablations of
     # 2026-12-06 (anchors_256 and loops_2 then); anchors_512 and loops_whole are the defaults before.
+    "anchors_128": ["--num_anchors", "128"],  # does the trend of 1,024 -> 512 -> 256 go on?
     "anchors_256": ["--num_anchors", "256"],
     "anchors_512": ["--num_anchors", "512"],
     "anchors_1024": ["--num_anchors", "1024"],
