@@ -120,10 +120,13 @@ def test_example_trains_under_deepspeed_zero3_as_under_ddp_and_resumes(tiny_setu
     loads whole on each process, and the draft's weights, sharded, follow the same steps as under DDP. The Markov
     head's W2, read by the loss outside any module forward, must get its gradient: Adam moves a trained weight by
     about the learning rate (6e-4) a step, so a W2 left behind would miss the tolerance by 10x. A run resumed from
-    its ZeRO-3 checkpoint (sharded optimizer states) ends where the uninterrupted run does."""
+    its ZeRO-3 checkpoint (sharded optimizer states) ends where the uninterrupted run does. The final held-out
+    evaluation runs in anchor passes (4 anchors, rows of about 30 answer positions): the sharded weights gather in
+    every pass, as many on both processes."""
     pytest.importorskip("deepspeed")
     zero3_config = REPO / "examples" / "configs" / "deepspeed_zero3.yaml"
-    flags = common_flags(tiny_setup, "zero3", "dspark") + ["--num_hidden_layers", "1", "--warmup_steps", "0"]
+    flags = common_flags(tiny_setup, "zero3", "dspark") + ["--num_hidden_layers", "1", "--warmup_steps", "0",
+                                                           "--eval_rows", "2", "--num_anchors", "4"]  # fmt: skip
     flags[flags.index("--max_steps") + 1] = "3"
 
     def with_flags(output: str, **changes) -> list[str]:
@@ -145,6 +148,7 @@ def test_example_trains_under_deepspeed_zero3_as_under_ddp_and_resumes(tiny_setu
         return [float(v) for v in re.findall(r"'loss': '([0-9.]+)'", out)]
 
     assert len(losses(zero3)) == 3 and losses(zero3) == pytest.approx(losses(ddp), abs=2e-3)
+    assert "eval_tau_walk_prob" in zero3 and "walk_rows_skipped" not in zero3
     assert losses(resumed) == losses(zero3)[2:]  # only step 3 ran again
     sharded = AutoModel.from_pretrained(tiny_setup / "zero3").state_dict()
     for name, other in [("DDP", "zero3_ddp"), ("resumed", "zero3_resumed")]:
