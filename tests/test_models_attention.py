@@ -158,7 +158,12 @@ def test_markov_heads_agree_between_teacher_forcing_and_sampling(head, qwen3):
 def test_covering_passes_hold_every_candidate_once_in_the_training_shape():
     """Held-out anchor passes: each pass has the training step's anchor count, sorted, dummies last; together they
     hold every candidate of every row exactly once, each pass spread over the whole row."""
-    from hf_dspark.models.anchors import anchor_candidates, covering_anchor_passes, fixed_anchor_count
+    from hf_dspark.models.anchors import (
+        anchor_candidates,
+        covering_anchor_passes,
+        covering_pass_count,
+        fixed_anchor_count,
+    )
 
     gen = torch.Generator().manual_seed(0)
     loss_mask = (torch.rand(5, 40, generator=gen) < 0.8).long()
@@ -167,7 +172,7 @@ def test_covering_passes_hold_every_candidate_once_in_the_training_shape():
     cand = anchor_candidates(loss_mask)
     n = fixed_anchor_count(6, 40)
     passes = covering_anchor_passes(loss_mask, 6)
-    assert len(passes) == -(-int(cand.sum(1).max()) // n) == 7  # row 4: 39 candidates, 6 a pass
+    assert len(passes) == covering_pass_count(loss_mask, 6) == -(-int(cand.sum(1).max()) // n) == 7  # 39 / 6 a pass
     seen = torch.zeros_like(cand, dtype=torch.long)
     for positions, valid in passes:
         assert positions.shape == valid.shape == (5, n)

@@ -655,6 +655,9 @@ def test_defaults_are_the_tested_recipe():
     assert args.compile_target is False  # the online target compiled on CUDA only
     assert args.compile_draft_layers is False
     assert args.max_loop_repeats == 2  # cut answers keep two repeats of a final loop
+    from hf_dspark.data.cli import BuildCacheArguments
+
+    assert BuildCacheArguments.max_loop_repeats == args.max_loop_repeats  # a cache of the recipe's rows by default
     # The measured recipe's depth: 2 layers for block drafters (a 1-layer default once trained the wrong draft).
     target = make_tiny_target("llama")
     assert build_draft(target, args).config.num_hidden_layers == 2

@@ -63,12 +63,12 @@ def covering_anchor_passes(loss_mask: torch.Tensor, num_anchors: int, passes: in
     Blocks do not see each other, so the passes together give a block at every candidate, as if N were T: what
     a held-out walk needs (`metrics.decoding_walk_estimates`), with no new compiled shapes.
 
-    P = ceil(most candidates in a row / N), read on the host; `passes` (at least that) overrides it, e.g. the
-    largest P over processes, so that sharded models run the same number of forwards on every process."""
+    P = `covering_pass_count`; `passes` (at least that) overrides it, e.g. the largest P over processes, so that
+    sharded models run the same number of forwards on every process."""
     cand = anchor_candidates(loss_mask)
     seq = cand.shape[1]
     n = fixed_anchor_count(num_anchors, seq)
-    needed = max(1, -(-int(cand.sum(dim=1).max().item()) // n)) if seq else 1
+    needed = _passes_needed(cand, n)
     if passes is None:
         passes = needed
     elif passes < needed:
@@ -83,6 +83,17 @@ def covering_anchor_passes(loss_mask: torch.Tensor, num_anchors: int, passes: in
         valid = first < seq
         out.append((torch.where(valid, first, torch.zeros_like(first)), valid))
     return out
+
+
+def covering_pass_count(loss_mask: torch.Tensor, num_anchors: int) -> int:
+    """How many passes `covering_anchor_passes` needs: ceil(most candidates in a row / anchors a pass), at least 1.
+    Reads the count on the host."""
+    cand = anchor_candidates(loss_mask)
+    return _passes_needed(cand, fixed_anchor_count(num_anchors, cand.shape[1]))
+
+
+def _passes_needed(cand: torch.Tensor, per_pass: int) -> int:
+    return max(1, -(-int(cand.sum(dim=1).max().item()) // per_pass)) if cand.shape[1] else 1
 
 
 def fixed_anchor_count(num_anchors: int, seq_len: int) -> int:

@@ -44,7 +44,7 @@ from transformers.trainer_callback import ExportableState, ProgressCallback
 from ..compilation import compile_mark, compile_report, compile_seconds_since, keep_compilation_records
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..metrics import decoding_walk_estimates
-from ..models.anchors import anchor_candidates, covering_anchor_passes, sample_anchors
+from ..models.anchors import anchor_candidates, covering_anchor_passes, covering_pass_count, sample_anchors
 from ..target import decoder_layers, target_features
 from .arguments import DraftTrainingArguments, draft_layer_compile_blocker
 from .checkpoints import resolve_resume_checkpoint
@@ -375,10 +375,10 @@ class DraftTrainer(Trainer):
         if mode == "train":
             positions, valid = sample_anchors(loss_mask, num_anchors, self._anchor_generator(), fixed_count=True)
             return [({"anchor_positions": positions, "anchor_mask": valid}, max_rows)]
-        passes = covering_anchor_passes(loss_mask, num_anchors)
+        count = covering_pass_count(loss_mask, num_anchors)
         if self.args.world_size > 1:  # sharded weights gather in every forward: the same count on every process
-            most = self.accelerator.reduce(torch.tensor([len(passes)], device=self.args.device), reduction="max")
-            passes = covering_anchor_passes(loss_mask, num_anchors, passes=int(most.item()))
+            count = int(self.accelerator.reduce(torch.tensor([count], device=self.args.device), reduction="max").item())
+        passes = covering_anchor_passes(loss_mask, num_anchors, passes=count)
         # A pass holds a share of each row's anchors: its own bound (anchors x slots) is the tighter one.
         anchors = torch.stack([valid.sum() for _, valid in passes]).tolist()
         bounds = [None if max_rows is None else min(max_rows, n * draft.config.block_size) for n in anchors]
