@@ -477,3 +477,22 @@ def test_ablations_driver_writes_curves_against_time_and_a_plot(tiny_setup, tmp_
     assert "| more_data - baseline |" in (out / "eval" / "results.md").read_text()
     means = ablations.decoded_mean_tau({"a": {"gsm8k@T0": 2.0, "mt-bench@T0": 1.0, "gsm8k@T1": 1.5}})
     assert means == {"a": {"T0": 1.5, "T1": 1.5}}
+
+
+def test_first_step_benchmark_times_fresh_processes_per_package_and_a_warm_one(tiny_setup, tmp_path):
+    """benchmarks/first_step.py --smoke: a tokenizing run, cold runs alternating between two package sources, one
+    warm run each; every row has the wait split into startup and first step, and the summary names both packages."""
+    first_step = load_script("benchmarks/first_step.py")
+    with pytest.raises(SystemExit, match="holds no hf_dspark package"):
+        first_step.packages_of([f"x={tmp_path}"])
+    report = first_step.main(["--smoke", "--target", str(tiny_setup / "target"), "--data", str(tiny_setup / "chats.jsonl"),
+                              "--packages", f"a={REPO / 'src'}", f"b={REPO / 'src'}", "--runs", "1",
+                              "--work_dir", str(tmp_path / "w"), "--output", str(tmp_path / "fs.json")])  # fmt: skip
+    assert [(r["package"], r["role"]) for r in report["runs"]] == [
+        ("a", "tokenizes"), ("a", "cold1"), ("b", "cold1"), ("a", "warm"), ("b", "warm")]
+    for row in report["runs"]:
+        assert row["returncode"] == 0 and row["startup_s"] > 0 and row["first_step_s"] > 0
+        assert row["to_first_step_s"] == pytest.approx(row["startup_s"] + row["first_step_s"], abs=0.11)
+        assert set(row["startup_phases"]) == {"process", "target", "data", "draft", "trainer"}
+    assert set(report["summary"]) == {"a", "b"} and report["summary"]["a"]["warm_s"] > 0
+    assert json.loads((tmp_path / "fs.json").read_text())["runs"] == report["runs"]
