@@ -102,22 +102,6 @@ def main(argv=None) -> dict:
     packages = packages_of(args.packages)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="first_step_"))
     work.mkdir(parents=True, exist_ok=True)
-    names = list(packages)
-    rows = [timed_run(args, names[0], packages[names[0]], work / "cache_tokenize", work, "tokenizes")]
-    last_cache = {}
-    for r in range(args.runs):
-        for name in names if r % 2 == 0 else names[::-1]:
-            last_cache[name] = work / f"cache_{name}_{r}"
-            rows.append(timed_run(args, name, packages[name], last_cache[name], work, f"cold{r + 1}"))
-    if args.warm:
-        for name in names:
-            rows.append(timed_run(args, name, packages[name], last_cache.get(name, work / "cache_tokenize"), work,
-                                  "warm"))  # fmt: skip
-    summary = {}
-    for name in names:
-        cold = [row["to_first_step_s"] for row in rows if row["package"] == name and row["role"].startswith("cold")]
-        warm = [row["to_first_step_s"] for row in rows if row["package"] == name and row["role"] == "warm"]
-        summary[name] = {"cold_median_s": statistics.median(cold) if cold else None, "warm_s": warm[0] if warm else None}
     from _bench_common import hardware
 
     import torch
@@ -128,18 +112,39 @@ def main(argv=None) -> dict:
         "run_command": " ".join(run_command(args, Path("RUN"))),
         "packages": packages,
         "hardware": hardware("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"),
-        "runs": rows,
-        "summary": summary,
+        "runs": [],
     }
+    names = list(packages)
+    plan = [(names[0], work / "cache_tokenize", "tokenizes")]
+    for r in range(args.runs):
+        plan += [(name, work / f"cache_{name}_{r}", f"cold{r + 1}") for name in (names if r % 2 == 0 else names[::-1])]
+    if args.warm:  # each package again with the compile cache its last run filled (a package that ran)
+        last = {name: cache for name, cache, _ in plan}
+        plan += [(name, last[name], "warm") for name in names if name in last]
+    for name, cache, role in plan:
+        report["runs"].append(timed_run(args, name, packages[name], cache, work, role))
+        write(report, args.output)  # after every run: a run cut short keeps the rows before it
+    report["summary"] = {}
+    for name in names:
+        rows = [row for row in report["runs"] if row["package"] == name]
+        cold = [row["to_first_step_s"] for row in rows if row["role"].startswith("cold")]
+        warm = [row["to_first_step_s"] for row in rows if row["role"] == "warm"]
+        report["summary"][name] = {"cold_median_s": statistics.median(cold) if cold else None,
+                                   "warm_s": warm[0] if warm else None}  # fmt: skip
+    write(report, args.output)
     print("\n| package | cold runs: process start to end of step 1 (median) | with its compile cache |")
     print("|---|---|---|")
-    for name, s in summary.items():
+    for name, s in report["summary"].items():
+        cold = f"{s['cold_median_s']:.1f} s" if s["cold_median_s"] is not None else "-"
         warm = f"{s['warm_s']:.1f} s" if s["warm_s"] is not None else "-"
-        print(f"| {name} | {s['cold_median_s']:.1f} s | {warm} |")
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"| {name} | {cold} | {warm} |")
     return report
+
+
+def write(report: dict, output: str | None) -> None:
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
