@@ -1,12 +1,9 @@
-"""What torch.compile cost: the seconds since a mark survive `torch.compiler.reset()`; the compile workers start
-early only where they serve (hf_dspark.compilation)."""
+"""What torch.compile cost: the seconds since a mark survive `torch.compiler.reset()` (hf_dspark.compilation)."""
 
-import pytest
 import torch
 import torch._dynamo.utils as dynamo_utils
-import torch._inductor.async_compile as async_compile
 
-from hf_dspark.compilation import compile_mark, compile_seconds_since, run_warm, start_compile_workers
+from hf_dspark.compilation import compile_mark, compile_seconds_since, run_warm
 
 
 def test_seconds_since_a_mark_count_a_real_compilation_and_only_that():
@@ -57,35 +54,3 @@ def test_run_warm_reruns_only_a_call_that_compiled_and_keeps_its_draws():
     rehearsed = run_warm(lambda: call(True), rehearse=True)  # the first run compiled; the kept one did not
     assert len(runs) == 2 and not rehearsed.retimed and rehearsed.compile_s == 0
     assert torch.equal(rehearsed.result, expected)
-
-
-def test_compile_workers_start_early_only_with_cuda(monkeypatch):
-    """torch's pool hook is called where Triton kernels will compile (CUDA), never on a CPU-only machine."""
-    calls = []
-    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(1))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert start_compile_workers() is False and calls == []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert start_compile_workers() is True and calls == [1]
-
-
-@pytest.mark.parametrize("compiled", [True, False])
-def test_training_starts_the_compile_workers_before_the_target_loads(compiled, monkeypatch, tmp_path):
-    import hf_dspark.training.script as script
-    from hf_dspark.training.cli import build_train_parser
-
-    events = []
-
-    def load_target(*_):
-        events.append("target")
-        raise KeyboardInterrupt  # stop here: only the order matters
-
-    monkeypatch.setattr(script, "start_compile_workers", lambda: events.append("workers"))
-    monkeypatch.setattr(script, "load_target", load_target)
-    script_args, training_args = build_train_parser().parse_args_into_dataclasses(args=[
-        "--train_file", "unused.jsonl", "--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none",
-        "--compile_loss", str(compiled).lower(), "--compile_target", "false", "--compile_draft_layers", "false",
-    ])  # fmt: skip
-    with pytest.raises(KeyboardInterrupt):
-        script.train_draft(script_args, training_args)
-    assert events == (["workers", "target"] if compiled else ["target"])

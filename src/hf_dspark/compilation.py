@@ -91,26 +91,6 @@ def compile_report(since_us: int) -> dict:
     }
 
 
-def start_compile_workers() -> bool:
-    """Start torch.compile's pool of kernel-compiling subprocesses now instead of at the first compilation.
-
-    Inductor starts the pool when it first compiles a graph, and until the workers have imported torch (seconds on a
-    cold host) it compiles Triton kernels one at a time in this process: the first step's first graph paid for that.
-    Called before the target loads and the data is tokenized, the pool is ready by the first step. Returns whether
-    torch's hook was called: not without CUDA (CPU kernels do not use the pool) or in a torch without it; torch's own
-    `TORCH_WARM_POOL=0` still turns the pool's early start off."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:
-        return False
-    maybe_warm_pool()
-    return True
-
-
 _graph_captures = 0
 
 
@@ -207,6 +187,5 @@ __all__ = [
     "one_time_work_mark",
     "one_time_work_since",
     "run_warm",
-    "start_compile_workers",
     "timing_checks",
 ]

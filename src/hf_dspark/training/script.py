@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from ..compilation import start_compile_workers
 from .arguments import DraftTrainingArguments
 from .trainer import DraftTrainer, build_draft, data_seed, process_age_s, seed_run
 from .zero3 import zero3_init_disabled
@@ -126,8 +125,6 @@ def train_draft(script_args: DraftScriptArguments, training_args: DraftTrainingA
     from ..models import drafter_classes
 
     drafter_classes(training_args.algorithm)
-    if training_args.compile_loss or training_args.compile_target or training_args.compile_draft_layers:
-        start_compile_workers()  # ready by the first step, while the target loads and the data is tokenized
     # As transformers' example scripts do: seed before anything random (the draft's initialization below).
     seed_run(training_args)
     target, tokenizer = load_target(script_args, training_args)
