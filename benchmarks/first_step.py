@@ -7,8 +7,9 @@
 Each run starts `examples/train_dspark.py` afresh for `--max_steps` steps with an empty torch.compile / Triton cache
 (a user's first run on a machine) and reads, from the run's log, the seconds from the process's start to train()
 (`startup_s`, with its phases: imports, target, data, draft, trainer) and from train() to the end of step 1
-(`first_step_s`, the compilation of the step's graphs in it). The first run tokenizes the conversations into the
-`datasets` cache (its row says so); the runs after it read them from there, as a user's next run does. `--packages
+(`first_step_s`, the compilation of the step's graphs in it). The first run (role `tokenizes`) fills the `datasets`
+cache with the tokenized conversations where it is empty (its `data` phase tells whether it did); the runs after it
+read them from there, as a user's next run does. `--packages
 NAME=SRC` times package sources against each other (a checkout of an earlier commit's `src/`), alternating within
 each round so drift on the machine falls on both; `--warm` adds one run per package with the compile cache its last
 run filled (a user's next run). Prints a table and writes JSON with the commands and hardware.
