@@ -326,7 +326,7 @@ def main(argv=None):
     if families:
         lines += ["", "| kernel family | ms/step | share |", "|---|---|---|"]
         lines += [f"| {r['family']} | {r['ms_per_step']:.2f} | {r['share']:.0%} |" for r in families]
-        lines += [f"| device busy / wall per step | {summary['device_busy_ms_per_step']:.1f} / "
+        lines += [f"| GPU busy / wall per step | {summary['device_busy_ms_per_step']:.1f} / "
                   f"{summary['wall_ms_per_step']:.1f} | idle {summary['device_idle_fraction']:.0%} |"]  # fmt: skip
         lines += ["", "| top kernels | ms/step | calls/step |", "|---|---|---|"]
         lines += [f"| {k['kernel'][:70]} | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} |"
