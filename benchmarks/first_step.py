@@ -27,8 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _bench_common import hardware  # noqa: E402
 from ablations import step_rate  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "train_dspark.py"
@@ -103,10 +106,6 @@ def main(argv=None) -> dict:
     packages = packages_of(args.packages)
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="first_step_"))
     work.mkdir(parents=True, exist_ok=True)
-    from _bench_common import hardware
-
-    import torch
-
     report = {
         "benchmark": "time to the first training step from a cold process",
         "command": "python " + " ".join(sys.argv),
