@@ -196,6 +196,80 @@ def test_repetition_loop_finds_the_longest_periodic_end_and_ignores_ordinary_tex
     assert repetition_loop(list(range(200))) == (0, 0)
 
 
+def reference_repetition_loop(tokens):
+    """The definition, token by token: for each period, walk back while each token equals the one a period
+    before; keep the longest run that is long enough (the shortest period on ties)."""
+    from hf_dspark.data.chat import MAX_LOOP_PERIOD, MIN_LOOP_TOKENS
+
+    best = (0, 0)
+    for period in range(1, min(MAX_LOOP_PERIOD, len(tokens) // 3) + 1):
+        i = len(tokens) - 1
+        while i - period >= 0 and tokens[i] == tokens[i - period]:
+            i -= 1
+        length = len(tokens) - 1 - i + period
+        if length > best[1] and length >= max(3 * period, MIN_LOOP_TOKENS):
+            best = (period, length)
+    return best
+
+
+def test_repetition_loop_equals_its_definition_on_random_ends():
+    import random
+
+    from hf_dspark.data.chat import repetition_loop
+
+    rng = random.Random(0)
+    found = 0
+    for _ in range(3000):
+        head = [rng.randint(0, rng.randint(1, 4)) for _ in range(rng.randint(0, 60))]
+        unit = [rng.randint(0, 9) for _ in range(rng.randint(1, 70))]
+        tokens = head + (unit * 20)[: rng.randint(0, 300)]
+        assert repetition_loop(tokens) == reference_repetition_loop(tokens), tokens
+        found += repetition_loop(tokens) != (0, 0)
+    assert 500 < found < 2900  # both loops and loop-free ends were drawn
+
+
+def reference_mask_spans(ids, offsets, spans, end_ids, supervise_last_end):
+    """The loss mask token by token: 1 on each token overlapping a span (zero-width ones excepted) and on an end
+    marker right after it."""
+    mask, t = [0] * len(ids), 0
+    for n, (start, end) in enumerate(spans):
+        while t < len(ids) and offsets[t][1] <= start:
+            t += 1
+        while t < len(ids) and offsets[t][0] < end:
+            mask[t] = int(offsets[t][1] > offsets[t][0])
+            t += 1
+        if t < len(ids) and ids[t] in end_ids:
+            mask[t] = int(supervise_last_end or n < len(spans) - 1)
+            t += 1
+    return ids, mask
+
+
+def test_mask_spans_equals_the_token_by_token_walk_for_ordered_and_unordered_offsets(smol_tokenizer):
+    """The mask is written by bisection where offsets are in text order (every tokenizer here) and by the walk
+    otherwise; both must be the walk's mask."""
+    import random
+
+    from hf_dspark.data.chat import _mask_spans, assistant_char_spans, token_offsets
+
+    end_ids = special_token_ids(smol_tokenizer)
+    text, spans = assistant_char_spans(CONVERSATION, smol_tokenizer)
+    [(ids, offsets)] = token_offsets(smol_tokenizer, [text])
+    for supervise in (True, False):
+        assert _mask_spans(ids, offsets, spans, end_ids, supervise) == reference_mask_spans(
+            ids, offsets, spans, end_ids, supervise
+        )
+    assert sum(_mask_spans(ids, offsets, spans, end_ids, True)[1]) > 20
+    rng = random.Random(0)
+    for _ in range(300):
+        offsets = [tuple(sorted((rng.randint(0, 40), rng.randint(0, 40)))) for _ in range(rng.randint(0, 30))]
+        if rng.random() < 0.5:  # in text order (starts and ends sorted), with zero-width tokens and overlaps
+            offsets = list(zip(sorted(s for s, _ in offsets), sorted(e for _, e in offsets)))
+        ids = [rng.choice([1, 2, 3]) for _ in offsets]
+        edges = sorted(rng.randint(0, 40) for _ in range(2 * rng.randint(0, 3)))
+        spans = list(zip(edges[::2], edges[1::2]))
+        assert _mask_spans(ids, offsets, spans, {3}, False) == reference_mask_spans(ids, offsets, spans, {3}, False)
+
+
 def test_cut_answers_keep_max_loop_repeats_of_their_loop(smol_tokenizer, caplog):
     """max_loop_repeats: only answers cut at the length limit (finish == "length") are shortened, to the text
     before their loop plus k repeats of it; finished answers and loop-free cut answers are untouched."""

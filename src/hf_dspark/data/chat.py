@@ -14,11 +14,13 @@ any template whose rendering of a prefix of the conversation is a prefix of the 
 
 from __future__ import annotations
 
+import bisect
 import glob
 import gzip
 import hashlib
 import json
 import logging
+import operator
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -316,15 +319,20 @@ MIN_LOOP_TOKENS = 32
 def repetition_loop(tokens: Sequence[int]) -> tuple[int, int]:
     """(period, length) of the longest run at the end of `tokens` in which every token equals the one `period`
     before it (length counts the first repeat too); (0, 0) when the end is no loop (see MIN_LOOP_TOKENS)."""
-    n, best = len(tokens), (0, 0)
-    for period in range(1, min(MAX_LOOP_PERIOD, n // 3) + 1):
-        i = n - 1
-        while i - period >= 0 and tokens[i] == tokens[i - period]:
-            i -= 1
-        length = (n - 1 - i) + period
-        if length > best[1] and length >= max(3 * period, MIN_LOOP_TOKENS):
-            best = (period, length)
-    return best
+    n = len(tokens)
+    max_period = min(MAX_LOOP_PERIOD, n // 3)
+    if max_period < 1:
+        return 0, 0
+    # All periods at once (a token-by-token walk in Python took 0.5 ms a cut answer): reversed, row p - 1 compares
+    # each token with the one p before it; the padding (no token id is negative) ends every row in a mismatch.
+    reverse = np.asarray(tokens, dtype=np.int64)[::-1]
+    padded = np.concatenate([reverse, np.full(max_period, -1, dtype=np.int64)])
+    earlier = np.lib.stride_tricks.sliding_window_view(padded, n)[1:]
+    periods = np.arange(1, max_period + 1)
+    lengths = np.argmin(reverse == earlier, axis=1) + periods  # matches before the first mismatch, + the first repeat
+    lengths[lengths < np.maximum(3 * periods, MIN_LOOP_TOKENS)] = 0
+    best = int(np.argmax(lengths))  # the shortest period among the longest runs
+    return (best + 1, int(lengths[best])) if lengths[best] else (0, 0)
 
 
 def loop_trimmed_length(ids: list[int], mask: list[int], repeats: int) -> int:
@@ -333,9 +341,7 @@ def loop_trimmed_length(ids: list[int], mask: list[int], repeats: int) -> int:
     end = len(mask)
     while end and not mask[end - 1]:
         end -= 1
-    start = end
-    while start and mask[start - 1]:
-        start -= 1
+    start = end - (mask[end - 1 :: -1] + [0]).index(0) if end else 0  # the supervised span's first token
     period, length = repetition_loop(ids[start:end])
     if not period or length <= repeats * period:
         return len(ids)
@@ -495,16 +501,25 @@ def _mask_spans(ids, offsets, spans, end_ids, supervise_last_end) -> tuple[list[
     """(ids, loss mask): 1 on the tokens of each character span and on the end marker right after it."""
     size = len(ids)
     starts, ends = zip(*offsets) if size else ((), ())
+    # Tokenizers give offsets in text order; then the span edges are found by bisection and the mask written by
+    # slices (a token-by-token walk in Python took a fifth of a conversation's time). Any other order: the walk.
+    ordered = all(map(operator.le, starts, starts[1:])) and all(map(operator.le, ends, ends[1:]))
     mask = [0] * size
     t = 0
     for n, (start, end) in enumerate(spans):
-        while t < size and ends[t] <= start:
-            t += 1
+        if ordered:
+            t = bisect.bisect_right(ends, start, t)
+        else:
+            while t < size and ends[t] <= start:
+                t += 1
         # Tokens overlapping [start, end): the content (a token straddling the header boundary counts).
         first = t
-        while t < size and starts[t] < end:
-            t += 1
-        mask[first:t] = [int(e > s) for s, e in zip(starts[first:t], ends[first:t])]
+        if ordered:
+            t = bisect.bisect_left(starts, end, first)
+        else:
+            while t < size and starts[t] < end:
+                t += 1
+        mask[first:t] = map(int, map(operator.gt, ends[first:t], starts[first:t]))  # zero-width tokens: 0
         if t < size and ids[t] in end_ids:
             mask[t] = int(supervise_last_end or n < len(spans) - 1)  # the end-of-turn marker right after the content
             t += 1
