@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import torch
 
@@ -77,3 +78,18 @@ def tiny_target(num_rows: int = 8, length: int = 64, seed: int = 0):
     ids = torch.randint(3, 128, (num_rows, length), generator=gen).tolist()
     mask = [[0] * (length // 2) + [1] * (length - length // 2) for _ in range(num_rows)]
     return target, Dataset.from_dict({"input_ids": ids, "loss_mask": mask})
+
+
+def packages_of(specs: list[str]) -> dict[str, str]:
+    """`--packages NAME=SRC_DIR ...` of the benchmarks that time package sources against each other."""
+    out = {}
+    for spec in specs:
+        name, sep, src = spec.partition("=")
+        if not sep or not name or not src:
+            raise SystemExit(f"--packages expects NAME=SRC_DIR, got {spec!r}")
+        if not (Path(src) / "hf_dspark" / "__init__.py").exists():
+            raise SystemExit(f"--packages {spec!r}: {src} holds no hf_dspark package (give the folder above it)")
+        if name in out:
+            raise SystemExit(f"--packages names {name!r} twice")
+        out[name] = str(Path(src).resolve())
+    return out

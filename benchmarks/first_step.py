@@ -31,7 +31,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _bench_common import hardware  # noqa: E402
+from _bench_common import hardware, packages_of  # noqa: E402
 from ablations import step_rate  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "train_dspark.py"
@@ -52,20 +52,6 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny CPU runs (checks the script, not the timing)")
     p.add_argument("train_flags", nargs="*", help="more flags for examples/train_dspark.py (after --)")
     return p.parse_args(argv)
-
-
-def packages_of(specs: list[str]) -> dict[str, str]:
-    out = {}
-    for spec in specs:
-        name, sep, src = spec.partition("=")
-        if not sep or not name or not src:
-            raise SystemExit(f"--packages expects NAME=SRC_DIR, got {spec!r}")
-        if not (Path(src) / "hf_dspark" / "__init__.py").exists():
-            raise SystemExit(f"--packages {spec!r}: {src} holds no hf_dspark package (give the folder above it)")
-        if name in out:
-            raise SystemExit(f"--packages names {name!r} twice")
-        out[name] = str(Path(src).resolve())
-    return out
 
 
 def run_command(args, output_dir: Path) -> list[str]:

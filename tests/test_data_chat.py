@@ -131,6 +131,30 @@ def test_gemma_style_template_with_model_role(smol_tokenizer):
     assert masked_runs(tok, ids, mask) == expected
 
 
+THINKING_TEMPLATE = (  # like Qwen3's: only the last answer is written after an empty reasoning block
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{%- if message.role == 'assistant' and loop.last %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{{- message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_template_that_writes_the_last_answer_differently_masks_every_answer(smol_tokenizer):
+    """Earlier answers render without the reasoning block they get as the last turn: the probe's prefix is then
+    no prefix of the full conversation and the answer is found by its text; the last one by the probe."""
+    from hf_dspark.data.chat import assistant_char_spans
+
+    tok = with_template(smol_tokenizer, THINKING_TEMPLATE)
+    ids, mask = encode_conversation(CONVERSATION, tok)
+    assert tok.decode(ids).count("<think>") == 1
+    assert masked_runs(tok, ids, mask) == [a + "<|im_end|>" for a in assistant_answers(CONVERSATION)]
+    full, spans = assistant_char_spans(CONVERSATION, tok)
+    assert [full[a:b] for a, b in spans] == assistant_answers(CONVERSATION)
+    assert full[: spans[-1][0]].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
 def test_tokenize_conversations_truncates_to_max_length(smol_tokenizer, caplog):
     long_answer = " ".join(["word"] * 400)
     ds = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "Talk."},
@@ -226,48 +250,6 @@ def test_repetition_loop_equals_its_definition_on_random_ends():
         assert repetition_loop(tokens) == reference_repetition_loop(tokens), tokens
         found += repetition_loop(tokens) != (0, 0)
     assert 500 < found < 2900  # both loops and loop-free ends were drawn
-
-
-def reference_mask_spans(ids, offsets, spans, end_ids, supervise_last_end):
-    """The loss mask token by token: 1 on each token overlapping a span (zero-width ones excepted) and on an end
-    marker right after it."""
-    mask, t = [0] * len(ids), 0
-    for n, (start, end) in enumerate(spans):
-        while t < len(ids) and offsets[t][1] <= start:
-            t += 1
-        while t < len(ids) and offsets[t][0] < end:
-            mask[t] = int(offsets[t][1] > offsets[t][0])
-            t += 1
-        if t < len(ids) and ids[t] in end_ids:
-            mask[t] = int(supervise_last_end or n < len(spans) - 1)
-            t += 1
-    return ids, mask
-
-
-def test_mask_spans_equals_the_token_by_token_walk_for_ordered_and_unordered_offsets(smol_tokenizer):
-    """The mask is written by bisection where offsets are in text order (every tokenizer here) and by the walk
-    otherwise; both must be the walk's mask."""
-    import random
-
-    from hf_dspark.data.chat import _mask_spans, assistant_char_spans, token_offsets
-
-    end_ids = special_token_ids(smol_tokenizer)
-    text, spans = assistant_char_spans(CONVERSATION, smol_tokenizer)
-    [(ids, offsets)] = token_offsets(smol_tokenizer, [text])
-    for supervise in (True, False):
-        assert _mask_spans(ids, offsets, spans, end_ids, supervise) == reference_mask_spans(
-            ids, offsets, spans, end_ids, supervise
-        )
-    assert sum(_mask_spans(ids, offsets, spans, end_ids, True)[1]) > 20
-    rng = random.Random(0)
-    for _ in range(300):
-        offsets = [tuple(sorted((rng.randint(0, 40), rng.randint(0, 40)))) for _ in range(rng.randint(0, 30))]
-        if rng.random() < 0.5:  # in text order (starts and ends sorted), with zero-width tokens and overlaps
-            offsets = list(zip(sorted(s for s, _ in offsets), sorted(e for _, e in offsets)))
-        ids = [rng.choice([1, 2, 3]) for _ in offsets]
-        edges = sorted(rng.randint(0, 40) for _ in range(2 * rng.randint(0, 3)))
-        spans = list(zip(edges[::2], edges[1::2]))
-        assert _mask_spans(ids, offsets, spans, {3}, False) == reference_mask_spans(ids, offsets, spans, {3}, False)
 
 
 def test_cut_answers_keep_max_loop_repeats_of_their_loop(smol_tokenizer, caplog):

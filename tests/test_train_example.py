@@ -496,3 +496,21 @@ def test_first_step_benchmark_times_fresh_processes_per_package_and_a_warm_one(t
         assert set(row["startup_phases"]) == {"process", "target", "data", "draft", "trainer"}
     assert set(report["summary"]) == {"a", "b"} and report["summary"]["a"]["warm_s"] > 0
     assert json.loads((tmp_path / "fs.json").read_text())["runs"] == report["runs"]
+
+
+def test_data_prep_benchmark_times_every_phase_per_package_in_fresh_processes(tiny_setup, tmp_path):
+    """benchmarks/data_prep.py: rounds alternate between package sources; each run reports every phase and the
+    rows `tokenize_conversations` kept, the same for both sources (the same code here)."""
+    data_prep = load_script("benchmarks/data_prep.py")
+    looping = {"messages": [{"role": "user", "content": "Go on."},
+                            {"role": "assistant", "content": "Start. " + "Again and again. " * 30}], "finish": "length"}  # fmt: skip
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text((tiny_setup / "chats.jsonl").read_text() + json.dumps(looping) + "\n")
+    report = data_prep.main(["--data", str(chats), "--packages", f"a={REPO / 'src'}", f"b={REPO / 'src'}",
+                             "--runs", "2", "--output", str(tmp_path / "dp.json")])  # fmt: skip
+    assert [row["package"] for row in report["runs"]] == ["a", "b", "b", "a"]
+    for row in report["runs"]:
+        assert row["conversations"] == 13 and row["rows"] == 13 and row["tokens"] > 13 * 20
+        assert all(row[phase] >= 0 for phase in data_prep.PHASES) and row["end_to_end"] > 0
+    assert set(report["summary"]) == {"a", "b"} and set(report["summary"]["a"]) == set(data_prep.PHASES)
+    assert json.loads((tmp_path / "dp.json").read_text())["summary"] == report["summary"]

@@ -6,21 +6,20 @@ every token of every assistant turn's content and on the turn's end-of-turn mark
 token that stops generation. Role headers, system/user text and the newline after the end marker are 0.
 
 Assistant spans are found without `{% generation %}` tags (most templates, SmolLM2's included, have none):
-for assistant message i we render the conversation up to message i with the generation prompt (the text that
-precedes the answer) and render it with a sentinel answer (which reveals what the template puts around the
-content), then map the resulting character span onto tokens with the fast tokenizer's offsets. This works for
-any template whose rendering of a prefix of the conversation is a prefix of the full rendering.
+for assistant message i we render the conversation up to message i with a sentinel answer, which reveals what
+the template writes before the content and after it, check that the rendering up to and with message i reads the
+same around the real content, then map the resulting character span onto tokens with the fast tokenizer's
+offsets. This works for any template whose rendering of a prefix of the conversation is a prefix of the full
+rendering; other answers are found by their text.
 """
 
 from __future__ import annotations
 
-import bisect
 import glob
 import gzip
 import hashlib
 import json
 import logging
-import operator
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -411,24 +410,20 @@ def _span_by_prefix(messages, i, full, tokenizer) -> tuple[int, int] | None:
     if i == 0:
         return None  # templates cannot render an empty prefix
     try:
-        prompt = _render(tokenizer, messages[:i], add_generation_prompt=True)
         last = i == len(messages) - 1  # then the turn's rendering is the full one (one render fewer)
         turn = full if last else _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
         probe = _render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}], False)
     except Exception:  # a template may reject some prefixes (e.g. requires alternating roles)
         return None
-    if not (full.startswith(prompt) and turn.startswith(prompt) and probe.startswith(prompt)):
+    # The probe shows what the template writes before this turn's content (everything up to the sentinel) and
+    # after it; the turn must read the same around its own content, and the full conversation the same up to it.
+    start = probe.find(_SENTINEL)
+    if start < 0:
         return None
-    # What the template writes around the content inside this turn (e.g. "" before, "<|im_end|>\n" after).
-    cut = probe.find(_SENTINEL, len(prompt))
-    if cut < 0:
+    after = probe[start + len(_SENTINEL) :]
+    end = len(turn) - len(after)
+    if end < start or not (turn.startswith(probe[:start]) and turn.endswith(after) and full.startswith(probe[:start])):
         return None
-    before, after = probe[len(prompt) : cut], probe[cut + len(_SENTINEL) :]
-    body = turn[len(prompt) :]
-    if not (body.startswith(before) and body.endswith(after)) or len(body) < len(before) + len(after):
-        return None
-    start = len(prompt) + len(before)
-    end = len(prompt) + len(body) - len(after)
     if full[start:end] != turn[start:end]:
         return None
     return start, end
@@ -501,25 +496,16 @@ def _mask_spans(ids, offsets, spans, end_ids, supervise_last_end) -> tuple[list[
     """(ids, loss mask): 1 on the tokens of each character span and on the end marker right after it."""
     size = len(ids)
     starts, ends = zip(*offsets) if size else ((), ())
-    # Tokenizers give offsets in text order; then the span edges are found by bisection and the mask written by
-    # slices (a token-by-token walk in Python took a fifth of a conversation's time). Any other order: the walk.
-    ordered = all(map(operator.le, starts, starts[1:])) and all(map(operator.le, ends, ends[1:]))
     mask = [0] * size
     t = 0
     for n, (start, end) in enumerate(spans):
-        if ordered:
-            t = bisect.bisect_right(ends, start, t)
-        else:
-            while t < size and ends[t] <= start:
-                t += 1
+        while t < size and ends[t] <= start:
+            t += 1
         # Tokens overlapping [start, end): the content (a token straddling the header boundary counts).
         first = t
-        if ordered:
-            t = bisect.bisect_left(starts, end, first)
-        else:
-            while t < size and starts[t] < end:
-                t += 1
-        mask[first:t] = map(int, map(operator.gt, ends[first:t], starts[first:t]))  # zero-width tokens: 0
+        while t < size and starts[t] < end:
+            t += 1
+        mask[first:t] = [int(e > s) for s, e in zip(starts[first:t], ends[first:t])]
         if t < size and ids[t] in end_ids:
             mask[t] = int(supervise_last_end or n < len(spans) - 1)  # the end-of-turn marker right after the content
             t += 1
