@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import platform
 from pathlib import Path
 
@@ -80,8 +81,15 @@ def tiny_target(num_rows: int = 8, length: int = 64, seed: int = 0):
     return target, Dataset.from_dict({"input_ids": ids, "loss_mask": mask})
 
 
+def add_packages_arg(p) -> None:
+    """`--packages NAME=SRC_DIR ...`: package sources a benchmark times against each other (read by packages_of)."""
+    this = Path(__file__).resolve().parent.parent / "src"
+    p.add_argument("--packages", nargs="+", default=[f"this={this}"],
+                   help="NAME=SRC_DIR: package sources to time (put first on PYTHONPATH); default this checkout's")
+
+
 def packages_of(specs: list[str]) -> dict[str, str]:
-    """`--packages NAME=SRC_DIR ...` of the benchmarks that time package sources against each other."""
+    """{name: source folder} of `--packages`, each checked to hold an hf_dspark package."""
     out = {}
     for spec in specs:
         name, sep, src = spec.partition("=")
@@ -93,3 +101,10 @@ def packages_of(specs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--packages names {name!r} twice")
         out[name] = str(Path(src).resolve())
     return out
+
+
+def write_report(report: dict, output: str | None) -> None:
+    """The JSON result, rewritten whole (scripts call it after every run, so a run cut short keeps its rows)."""
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(report, indent=1) + "\n")

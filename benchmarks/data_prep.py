@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _bench_common import hardware, packages_of  # noqa: E402
+from _bench_common import add_packages_arg, hardware, packages_of, write_report  # noqa: E402
 
 PHASES = ("render", "tokenize", "mask", "loops", "end_to_end")
 
@@ -36,8 +36,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokenizer", default=None, help="target folder whose tokenizer renders (default: the package's)")
     p.add_argument("--data", nargs="+", required=True, help="conversations (JSONL(.gz) files)")
-    p.add_argument("--packages", nargs="+", default=[f"this={HERE.parent / 'src'}"],
-                   help="NAME=SRC_DIR: package sources to time (put first on PYTHONPATH); default this checkout's")
+    add_packages_arg(p)
     p.add_argument("--runs", type=int, default=3, help="fresh processes per package")
     p.add_argument("--max_length", type=int, default=2048)
     p.add_argument("--max_loop_repeats", type=int, default=2)
@@ -122,24 +121,18 @@ def main(argv=None) -> dict:
     for r in range(args.runs):
         for name in names if r % 2 == 0 else names[::-1]:
             report["runs"].append(timed_run(args, name, packages[name]))
-            write(report, args.output)  # after every run: a run cut short keeps the rows before it
+            write_report(report, args.output)  # after every run: a run cut short keeps the rows before it
     report["summary"] = {
         name: {phase: statistics.median(row[phase] for row in report["runs"] if row["package"] == name)
                for phase in PHASES}  # fmt: skip
         for name in names
     }
-    write(report, args.output)
+    write_report(report, args.output)
     print("\n| package | " + " | ".join(PHASES) + " (median s) |")
     print("|---|" + "---|" * len(PHASES))
     for name, row in report["summary"].items():
         print(f"| {name} | " + " | ".join(f"{row[phase]:.2f}" for phase in PHASES) + " |")
     return report
-
-
-def write(report: dict, output: str | None) -> None:
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

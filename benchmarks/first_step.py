@@ -18,7 +18,6 @@ run filled (a user's next run). Prints a table and writes JSON with the commands
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -31,7 +30,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _bench_common import hardware, packages_of  # noqa: E402
+from _bench_common import add_packages_arg, hardware, packages_of, write_report  # noqa: E402
 from ablations import step_rate  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "train_dspark.py"
@@ -41,8 +40,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None, help="target model folder (default: the package's default target)")
     p.add_argument("--data", nargs="+", required=True, help="conversations (JSONL(.gz)) the target's tokenizer renders")
-    p.add_argument("--packages", nargs="+", default=[f"this={HERE.parent / 'src'}"],
-                   help="NAME=SRC_DIR: package sources to time (put first on PYTHONPATH); default this checkout's")
+    add_packages_arg(p)
     p.add_argument("--runs", type=int, default=2, help="cold runs per package after the first, tokenizing run")
     p.add_argument("--warm", action=argparse.BooleanOptionalAction, default=True,
                    help="one more run per package with the compile cache its last run filled")
@@ -109,7 +107,7 @@ def main(argv=None) -> dict:
         plan += [(name, last[name], "warm") for name in names if name in last]
     for name, cache, role in plan:
         report["runs"].append(timed_run(args, name, packages[name], cache, work, role))
-        write(report, args.output)  # after every run: a run cut short keeps the rows before it
+        write_report(report, args.output)  # after every run: a run cut short keeps the rows before it
     report["summary"] = {}
     for name in names:
         rows = [row for row in report["runs"] if row["package"] == name]
@@ -117,7 +115,7 @@ def main(argv=None) -> dict:
         warm = [row["to_first_step_s"] for row in rows if row["role"] == "warm"]
         report["summary"][name] = {"cold_median_s": statistics.median(cold) if cold else None,
                                    "warm_s": warm[0] if warm else None}  # fmt: skip
-    write(report, args.output)
+    write_report(report, args.output)
     print("\n| package | cold runs: process start to end of step 1 (median) | with its compile cache |")
     print("|---|---|---|")
     for name, s in report["summary"].items():
@@ -125,12 +123,6 @@ def main(argv=None) -> dict:
         warm = f"{s['warm_s']:.1f} s" if s["warm_s"] is not None else "-"
         print(f"| {name} | {cold} | {warm} |")
     return report
-
-
-def write(report: dict, output: str | None) -> None:
-    if output:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
