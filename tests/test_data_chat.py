@@ -153,6 +153,10 @@ def test_template_that_writes_the_last_answer_differently_masks_every_answer(smo
     full, spans = assistant_char_spans(CONVERSATION, tok)
     assert [full[a:b] for a, b in spans] == assistant_answers(CONVERSATION)
     assert full[: spans[-1][0]].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # A conversation that opens with the assistant: the probe needs no prompt before it.
+    opening = [{"role": "assistant", "content": "Hello! Ask me anything."}, *CONVERSATION[:2]]
+    full, spans = assistant_char_spans(opening, smol_tokenizer)
+    assert [full[a:b] for a, b in spans] == assistant_answers(opening)
 
 
 def test_tokenize_conversations_truncates_to_max_length(smol_tokenizer, caplog):

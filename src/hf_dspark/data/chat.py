@@ -407,8 +407,6 @@ def assistant_char_spans(messages: list[dict], tokenizer) -> tuple[str, list[tup
 
 
 def _span_by_prefix(messages, i, full, tokenizer) -> tuple[int, int] | None:
-    if i == 0:
-        return None  # templates cannot render an empty prefix
     try:
         last = i == len(messages) - 1  # then the turn's rendering is the full one (one render fewer)
         turn = full if last else _render(tokenizer, messages[: i + 1], add_generation_prompt=False)
