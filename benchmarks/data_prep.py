@@ -77,8 +77,9 @@ def time_phases(args) -> dict:
         if finish == "length":
             chat.loop_trimmed_length(ids, mask, args.max_loop_repeats)
     done("loops")
+    # Into the empty `datasets` cache the parent gave this process: nothing is read back from an earlier run.
     kept = len(tokenize_conversations(conversations, tokenizer, args.max_length, num_proc=args.num_proc,
-                                      max_loop_repeats=args.max_loop_repeats))  # an empty datasets cache: the parent's
+                                      max_loop_repeats=args.max_loop_repeats))  # fmt: skip
     done("end_to_end")
     return {"conversations": len(messages), "rows": kept, "tokens": sum(len(ids) for ids, _ in rows), **seconds}
 
