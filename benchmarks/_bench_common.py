@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -101,6 +102,13 @@ def packages_of(specs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--packages names {name!r} twice")
         out[name] = str(Path(src).resolve())
     return out
+
+
+def package_env(src: str) -> dict[str, str]:
+    """This process's environment with the package source `src` (a `--packages` entry) first on PYTHONPATH."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def write_report(report: dict, output: str | None) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _bench_common import add_packages_arg, hardware, packages_of, write_report  # noqa: E402
+from _bench_common import add_packages_arg, hardware, package_env, packages_of, write_report  # noqa: E402
 
 PHASES = ("render", "tokenize", "mask", "loops", "end_to_end")
 
@@ -85,7 +85,7 @@ def time_phases(args) -> dict:
 
 
 def timed_run(args, name: str, src: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = package_env(src)
     env["TOKENIZERS_PARALLELISM"] = "true" if args.threads == "all" else "false"
     cmd = [sys.executable, __file__, "--child", *child_flags(args)]
     with tempfile.TemporaryDirectory() as cache:  # nothing tokenized by an earlier run

@@ -18,7 +18,6 @@ run filled (a user's next run). Prints a table and writes JSON with the commands
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _bench_common import add_packages_arg, hardware, packages_of, write_report  # noqa: E402
+from _bench_common import add_packages_arg, hardware, package_env, packages_of, write_report  # noqa: E402
 from ablations import step_rate  # noqa: E402
 
 EXAMPLE = HERE.parent / "examples" / "train_dspark.py"
@@ -67,8 +66,7 @@ def run_command(args, output_dir: Path) -> list[str]:
 def timed_run(args, name: str, src: str, cache: Path, work: Path, role: str) -> dict:
     """One fresh process of the training example with `src` first on PYTHONPATH and `cache` as its compile cache."""
     folder = work / f"{name}_{role}"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    env = package_env(src)
     env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"] = str(cache / "inductor"), str(cache / "triton")
     start = time.monotonic()
     with open(work / f"{name}_{role}.log", "w") as log:
