@@ -326,3 +326,32 @@ def test_compare_evals_pairs_drafters_decoded_side_by_side_in_one_run(tmp_path):
     assert table["walk"]["tau_vs_reference"]["difference"] == pytest.approx(32 / 12 - 2)
     with pytest.raises(ValueError, match="one name for every run or one per run"):
         compare.main([f"base={both}", f"walk={both}", "--drafter", "dspark", "walk", "dspark"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_multi_candidate_one_candidate_is_the_trainers_teacher_forced_tau(temperature):
+    """With k = 1 the script's τ is the training estimate on the same answers (greedy: τ_greedy; T = 1: τ_prob), so
+    its slots line up with the trainer's; more candidates never lower the first slot's acceptance."""
+    import torch
+    from conftest import make_tiny_target
+
+    from hf_dspark import DSparkModel
+    from hf_dspark.evaluation.teacher_forced import teacher_forced_estimates
+
+    script = load_script("benchmarks/multi_candidate.py")
+    torch.manual_seed(0)
+    target = make_tiny_target("qwen3")
+    draft = DSparkModel.from_target(target, block_size=4, num_hidden_layers=1, num_anchors=8).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, target.config.vocab_size, (5 + i,), generator=g).tolist() for i in range(3)]
+    with torch.no_grad():
+        answers = [target.generate(torch.tensor([p]), max_new_tokens=14, do_sample=True, pad_token_id=0)[0, len(p):]
+                   .tolist() for p in prompts]  # fmt: skip
+    pairs = list(zip(prompts, answers))
+    sums = script.score_blocks(draft, target, pairs, temperature, 3, batch_size=2, anchor_chunk=3, pad_id=0)
+    expected = teacher_forced_estimates(draft, target, prompts, answers, batch_size=2)
+    tau = sums["tau"] / sums["blocks"]
+    assert tau[0].item() == pytest.approx(expected["tau_greedy" if temperature == 0 else "tau_prob"], rel=1e-4)
+    first = sums["first"] / sums["blocks"]
+    assert bool((first[1:] >= first[:-1]).all()) and bool((tau[1:] >= tau[:-1]).all())
+    assert sums["blocks"] == sum(len(a) - 1 for a in answers)  # every answer position but the last anchors a block

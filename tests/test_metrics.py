@@ -7,6 +7,9 @@ import torch
 from hf_dspark.metrics import (
     AcceptanceStats,
     auroc,
+    branched_tau,
+    multi_candidate_acceptance,
+    top_candidates_match,
     brier_score,
     expected_calibration_error,
     fit_sts_temperatures,
@@ -186,6 +189,64 @@ def test_decoding_walk_skips_rows_whose_anchors_do_not_cover_the_answer():
     valid[0, 2] = False  # one candidate without a block: this row cannot be walked
     walk = decoding_walk_estimates(rate, match, mask, positions, valid, cand)
     assert (walk["walk_rows"], walk["walk_rows_skipped"], walk["walk_tokens"]) == (0, 1, 0)
+
+
+def recursive_rejection_sample(p: np.ndarray, q: np.ndarray, k: int, rng) -> tuple[int, int | None]:
+    """The procedure itself: k drafts drawn independently from q, tried one after another against the residual
+    the rejections before left; (committed token, index of the accepted draft or None)."""
+    residual = p.copy()
+    for i in range(k):
+        x = rng.choice(len(q), p=q)
+        if rng.random() * q[x] < residual[x]:  # accept with chance min(1, r(x) / q(x))
+            return x, i
+        residual = np.maximum(residual - q, 0)
+        residual /= residual.sum()
+    return rng.choice(len(p), p=residual), None
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_multi_candidate_acceptance_matches_the_procedure_and_keeps_the_target_distribution(k):
+    rng = np.random.default_rng(k)
+    p = rng.dirichlet(np.full(6, 0.7))
+    q = rng.dirichlet(np.full(6, 0.7))
+    expected = multi_candidate_acceptance(torch.tensor(p), torch.tensor(q), 3)
+    assert expected[0].item() == pytest.approx(np.minimum(p, q).sum(), abs=1e-6)  # one draft: 1 - TV
+    assert bool((expected[1:] >= expected[:-1]).all())
+    n = 40000
+    draws = [recursive_rejection_sample(p, q, k, rng) for _ in range(n)]
+    accepted = np.mean([i is not None for _, i in draws])
+    rate = expected[k - 1].item()
+    assert accepted == pytest.approx(rate, abs=4 * np.sqrt(rate * (1 - rate) / n))
+    counts = np.bincount([x for x, _ in draws], minlength=6) / n
+    assert np.abs(counts - p).max() < 4 * np.sqrt(p.max() / n)  # lossless: the committed token follows p
+
+
+def test_multi_candidate_acceptance_of_an_exact_or_disjoint_draft():
+    p = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]])
+    q = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]])
+    rates = multi_candidate_acceptance(p, q, 3)
+    assert rates.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+
+
+def test_top_candidates_match_counts_the_target_argmax_among_the_draft_top_k():
+    target = torch.tensor([[0.0, 3.0, 1.0, 2.0], [5.0, 0.0, 1.0, 2.0]])
+    draft = torch.tensor([[0.0, 2.0, 3.0, 1.0], [0.0, 4.0, 3.0, 2.0]])  # ranks: [2, 1, 3, 0], [1, 2, 3, 0]
+    assert top_candidates_match(target, draft, 4).tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+
+
+def test_branched_tau_is_tau_prob_for_one_candidate_and_grows_with_the_first_slot():
+    torch.manual_seed(0)
+    rate = torch.rand(3, 5, 4)
+    mask = torch.ones(3, 5, 4, dtype=torch.long)
+    mask[0, 1, 2:] = 0  # a block cut by the answer's end
+    mask[1, 4] = 0  # a dummy block
+    first = torch.stack([rate[..., 0], rate[..., 0] * 0 + 1], dim=-1)  # k = 1: the draft's own; k = 2: certain
+    tau = branched_tau(first, rate, mask)
+    est = training_acceptance_estimates(rate, rate > 0.5, mask)
+    assert tau[0].item() == pytest.approx((est["tau_prob_sum"] / est["blocks"]).item(), rel=1e-6)
+    later = torch.cumprod(rate[..., 1:] * mask[..., 1:], -1).sum(-1)
+    valid = mask[..., 0].bool()
+    assert tau[1].item() == pytest.approx((2 + later)[valid].mean().item(), rel=1e-6)
 
 
 def test_calibration_metrics():

@@ -263,6 +263,49 @@ def training_acceptance_estimates(
     }
 
 
+def multi_candidate_acceptance(p: torch.Tensor, q: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Chance that one of k drafts is accepted, k = 1..`candidates`, for drafts drawn independently from q and
+    verified one after another by recursive rejection sampling (docs/ALGORITHMS.md, "Several candidates a slot").
+
+    p, q [..., V]: the target's and the draft's distributions at one slot. Candidate i is accepted with chance
+    sum min(r_i, q), r_1 = p and r_{i+1} = norm(max(r_i - q, 0)) (the residual left by rejecting it), so all k
+    fail with chance prod_i (1 - sum min(r_i, q)). k = 1 is the single draft's 1 - TV(p, q). Returns [..., k]."""
+    residual = p.float()
+    q = q.float()
+    rejected = torch.ones(p.shape[:-1], dtype=torch.float32, device=p.device)
+    accepted = []
+    for _ in range(candidates):
+        rejected = rejected * (1 - torch.minimum(residual, q).sum(-1)).clamp(min=0)
+        accepted.append(1 - rejected)
+        residual = (residual - q).clamp(min=0)
+        residual = residual / residual.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.stack(accepted, dim=-1)
+
+
+def top_candidates_match(target_logits: torch.Tensor, draft_logits: torch.Tensor, candidates: int) -> torch.Tensor:
+    """Greedy counterpart of `multi_candidate_acceptance`: [..., k] = 1.0 where the target's argmax is among the
+    draft's k highest-scoring tokens, k = 1..`candidates`."""
+    top = draft_logits.topk(candidates, dim=-1).indices  # [..., candidates]
+    hit = top == target_logits.argmax(-1, keepdim=True)
+    return hit.float().cumsum(-1).clamp(max=1)
+
+
+def branched_tau(first_slot: torch.Tensor, accept_rate: torch.Tensor, eval_mask: torch.Tensor) -> torch.Tensor:
+    """Expected τ of a round whose first slot holds k candidates, each continued by its own chain of drafts.
+
+    first_slot [..., C]: the chance that one of k candidates is accepted, k = 1..C (`multi_candidate_acceptance`,
+    or `top_candidates_match` greedily); accept_rate [..., K]: each slot's acceptance given the slots before it
+    (slots 2..K follow whichever candidate was accepted); eval_mask [..., K]. Per block
+    τ_k = 1 + A_k m_1 (1 + sum_{j>=2} prod_{2<=i<=j} a_i m_i), which for k = 1 is `training_acceptance_estimates`'
+    tau_prob. Returns [C]: the mean over blocks whose first slot is valid."""
+    mask = eval_mask.float()
+    valid = mask[..., 0]
+    later = torch.cumprod(accept_rate[..., 1:].float() * mask[..., 1:], dim=-1).sum(-1)  # expected slots after 1
+    tau = 1 + first_slot.float() * (valid * (1 + later))[..., None]
+    flat = (tau * valid[..., None]).reshape(-1, tau.shape[-1]).sum(0)
+    return flat / valid.sum().clamp(min=1)
+
+
 def decoding_walk_estimates(
     accept_rate: torch.Tensor,
     greedy_match: torch.Tensor,
@@ -474,6 +517,9 @@ def _survival_arrays(records, num_slots: int):
 
 
 __all__ = [
+    "branched_tau",
+    "multi_candidate_acceptance",
+    "top_candidates_match",
     "batched_decoding_speed",
     "wilson_interval",
     "AcceptanceStats",
