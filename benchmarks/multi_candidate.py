@@ -2,9 +2,9 @@
 
 A round verifies one chain of drafts today; at T = 1 each slot is accepted with chance 1 - TV(target, draft), which
 stays near one half for a small, high-entropy target. Drafting k candidates for the first slot, each continued by
-its own chain, and verifying them as a tree (recursive rejection sampling at the first slot, lossless) raises the
-chance that the round gets past its first slot. Before building that path, this script measures what it would
-give on real text.
+its own chain, and verifying them as a tree (recursive rejection sampling at the first slot, lossless;
+`generate(..., dspark_candidates=k)`) raises the chance that the round gets past its first slot. This script
+measures what that gives on real text from the distributions alone, without decoding.
 
 The target answers the evaluation prompts alone (at --temperature, as `hf-dspark eval` decodes them; greedy at 0),
 then every answer position anchors a teacher-forced block of the draft (DSpark or DFlash). Per block and slot it
@@ -90,7 +90,8 @@ def score_blocks(draft, target, pairs, temperature, candidates, batch_size, anch
         for i, ((prompt, answer), row) in enumerate(zip(pairs[start : start + batch_size], rows)):
             ids[i, : len(row)] = torch.tensor(row, device=device)
             loss_mask[i, len(prompt) : len(row)] = 1
-        attention = (torch.arange(width, device=device)[None] < torch.tensor([len(r) for r in rows], device=device)[:, None])
+        lengths = torch.tensor([len(r) for r in rows], device=device)
+        attention = torch.arange(width, device=device)[None] < lengths[:, None]
         context, last = target_features(target, ids, draft.config.target_layer_ids, attention.long())
         for positions, valid in covering_anchor_passes(loss_mask, draft.config.num_anchors):
             out = draft(input_ids=ids, context_features=context, loss_mask=loss_mask, attention_mask=attention.long(),

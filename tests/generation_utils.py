@@ -83,6 +83,8 @@ class OracleProposer:
         self._new_cache = draft.new_context_cache
         draft.new_context_cache = self.new_context_cache
         draft.propose = self.propose
+        if hasattr(draft, "propose_chains"):
+            draft.propose_chains = self.propose_chains
 
     def new_context_cache(self, batch_size, capacity=256):
         cache = self._new_cache(batch_size, capacity)
@@ -104,6 +106,11 @@ class OracleProposer:
         probs = torch.nn.functional.one_hot(tokens, vocab).float()
         conf = torch.full(tokens.shape, 0.9)
         return DraftProposal(tokens=tokens, probs=probs, logits=probs.log(), confidences=conf, confidence_logits=conf)
+
+    def propose_chains(self, cache, anchor_ids, *, sampler=None, num_tokens, candidates):
+        """k chains, each the reference corrupted on its own: a round's right first token is often a later chain's."""
+        chains = [self.propose(cache, anchor_ids, num_tokens=num_tokens).tokens for _ in range(candidates)]
+        return DraftProposal(tokens=torch.stack(chains, dim=1).reshape(-1, num_tokens), probs=None)
 
 
 def processors(temperature: float = 1.0, top_p: float | None = None) -> LogitsProcessorList:

@@ -22,7 +22,7 @@ import torch
 from generation_utils import chi_square_test
 
 from hf_dspark.generation import spare_mass as spare_module
-from hf_dspark.generation.rejection import verify_block
+from hf_dspark.generation.rejection import tree_attention, tree_depths, verify_block, verify_candidates
 from hf_dspark.generation.spare_mass import spare_mass, torch_spare_mass
 
 V, N = 3, 3  # vocabulary, draft slots per round
@@ -158,6 +158,68 @@ def test_verify_block_samples_the_exact_round_law(method, cap):
     if method == "block":  # and the statistic tells the two verifiers apart
         _, _, p_wrong = chi_square_test(samples, _round_law(target, draft, "token", cap))
         assert p_wrong < P_MIN
+
+
+def _sample_tree_rounds(target, draft, k, method, seed, rows=30_000, wrong_first_q=False):
+    """Rounds of `verify_candidates` with k chains drawn independently from the draft, each round's output
+    (committed tokens) continued by the target itself to N + 1 tokens. Caps vary as a token budget cuts them."""
+    g = torch.Generator().manual_seed(seed)
+    drafts = torch.zeros(rows, k, N, dtype=torch.long)
+    for c in range(k):
+        for j in range(N):
+            probs = torch.stack([draft[tuple(r[:j])] for r in drafts[:, c].tolist()]) if j else draft[()].expand(rows, V)
+            drafts[:, c, j] = torch.multinomial(probs.float(), 1, generator=g).squeeze(1)
+    chains = [[tuple(r) for r in drafts[:, c].tolist()] for c in range(k)]
+    scores = torch.zeros(rows, 1 + k * N, V)
+    scores[:, 0] = torch.log(target[()]).float()
+    q = torch.zeros(rows, k, N, V)
+    for c in range(k):
+        for j in range(N):
+            scores[:, 1 + c * N + j] = torch.stack([target[key[: j + 1]] for key in chains[c]]).log().float()
+            q[:, c, j] = torch.stack([draft[key[:j]] for key in chains[c]]).float()
+    caps = torch.randint(0, N + 1, (rows,), generator=g)
+    used_q = q.clone()
+    if wrong_first_q:  # a caller that hands over another first-slot distribution than the one drawn from
+        used_q[:, :, 0] = target[()].float()
+    result = verify_candidates(scores, drafts, used_q, caps, do_sample=True, generator=g, method=method)
+    out = []
+    for row, (chain, a, y) in enumerate(zip(result.chain.tolist(), result.num_accepted.tolist(),
+                                            result.next_tokens.tolist())):  # fmt: skip
+        seq = (chains[chain][row][:a] if chain >= 0 else ()) + (y,)
+        while len(seq) < N + 1:
+            seq += (int(torch.multinomial(target[seq].float(), 1, generator=g)),)
+        out.append(seq)
+    return out, result
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_verify_candidates_is_lossless(k, method):
+    """Recursive rejection sampling over the first slot, then the chosen chain verified: continued by the target,
+    each round's output follows the target's own law; every outcome (each chain, none) occurs."""
+    target, draft = _tables(0)
+    samples, result = _sample_tree_rounds(target, draft, k, method, seed=k)
+    _, _, p_value = chi_square_test(samples, _target_law(target, (), N + 1))
+    assert p_value > P_MIN
+    assert set(result.chain.tolist()) == set(range(-1, k))
+    wrong, _ = _sample_tree_rounds(target, draft, k, method, seed=k, wrong_first_q=True)
+    assert chi_square_test(wrong, _target_law(target, (), N + 1))[2] < P_MIN  # the statistic sees a wrong q
+
+
+def test_verify_candidates_greedy_takes_the_candidate_equal_to_the_argmax():
+    scores = torch.full((3, 1 + 2 * 2, 4), -5.0)
+    scores[:, 0, 2] = 0  # the target's first token: 2
+    scores[:, 1:, 1] = 0  # after any draft: 1
+    drafts = torch.tensor([[[2, 1], [3, 1]], [[0, 1], [2, 0]], [[0, 1], [3, 1]]])
+    result = verify_candidates(scores, drafts, None, torch.tensor([2, 2, 2]), do_sample=False)
+    assert result.chain.tolist() == [0, 1, -1]
+    assert result.num_accepted.tolist() == [2, 1, 0] and result.next_tokens.tolist() == [1, 1, 2]
+
+
+def test_the_tree_layout_lets_each_chain_see_the_anchor_and_itself():
+    assert tree_depths(2, 3).tolist() == [0, 1, 2, 3, 1, 2, 3]
+    mask = tree_attention(2, 2).int().tolist()
+    assert mask == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 1, 1]]
 
 
 def test_an_unknown_verification_method_is_refused():

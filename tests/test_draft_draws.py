@@ -63,3 +63,39 @@ def test_a_sampled_draw_skips_multinomials_checks_and_casts_once(target, drafter
     # The distribution each token was drawn from is the softmax of its logits (temperature 1, no warpers).
     torch.testing.assert_close(proposal.probs, torch.softmax(proposal.logits, -1))
     assert (proposal.probs.gather(-1, proposal.tokens[..., None]) > 0).all()
+
+
+def _context(target, draft, rows=4):
+    ids = torch.randint(3, 96, (rows, 12), generator=torch.Generator().manual_seed(0))
+    feats, _ = target_features(target, ids, draft.config.target_layer_ids)
+    cache = draft.new_context_cache(rows)
+    draft.extend_context(cache, feats[:, :-1], next_token_ids=ids[:, 1:])
+    return cache, ids[:, -1]
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+def test_chains_share_the_first_slot_distribution_and_each_follows_its_own_first_token(target, drafter):
+    """propose_chains: sampled chains are independent draws whose first slot has the block's own q_1 (what
+    recursive rejection sampling needs); greedy chains start at the k best first tokens and continue as a
+    single proposal would from there (teacher-forced scoring of each chain gives back its tokens)."""
+    draft = make_draft(drafter, target, block_size=BLOCK)
+    if drafter == "dspark":
+        with torch.no_grad():
+            draft.markov_head.markov_w2.weight.normal_(0, 0.5)  # later slots depend on the first token
+    cache, anchors = _context(target, draft)
+    k = 3
+    single = draft.propose(cache, anchors, sampler=TokenSampler(do_sample=False))
+    greedy = draft.propose_chains(cache, anchors, sampler=TokenSampler(do_sample=False), num_tokens=BLOCK,
+                                  candidates=k).tokens.view(4, k, BLOCK)  # fmt: skip
+    assert torch.equal(greedy[:, :, 0], single.logits[:, 0].topk(k, dim=-1).indices)
+    assert torch.equal(greedy[:, 0], single.tokens)  # the best first token's chain is the single proposal
+    for c in range(k):
+        forced = draft.propose(cache, anchors, sampler=TokenSampler(do_sample=False), draft_tokens=greedy[:, c])
+        assert torch.equal(forced.logits[:, 1:].argmax(-1), greedy[:, c, 1:])
+    torch.manual_seed(0)
+    sampled = draft.propose_chains(cache, anchors, sampler=TokenSampler(), num_tokens=BLOCK, candidates=k)
+    probs = sampled.probs.view(4, k, BLOCK, -1)
+    torch.testing.assert_close(probs[:, :, 0], torch.softmax(single.logits[:, 0], -1)[:, None].expand_as(probs[:, :, 0]))
+    tokens = sampled.tokens.view(4, k, BLOCK)
+    assert (tokens[:, 0] != tokens[:, 1]).any()  # drawn apart, not copies
+    assert sampled.confidences is None

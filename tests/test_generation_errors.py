@@ -283,3 +283,27 @@ def test_a_failing_compiled_capture_falls_back_to_the_plain_functions_once(caplo
 
     with pytest.raises(RuntimeError, match="capture refused"):
         capture_or_uncompiled("draft functions", broken, False, uncompile)
+
+
+def test_first_slot_candidates_name_what_they_need(target, draft):
+    for value in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="dspark_candidates must be a whole number >= 1"):
+            _generate(target, draft, dspark_candidates=value)
+    with pytest.raises(ValueError, match="needs a block drafter"):
+        _generate(target, make_draft("eagle3", target), dspark_candidates=2)
+    with pytest.raises(ValueError, match="use dspark_schedule='none'"):
+        _generate(target, draft, dspark_candidates=2, dspark_schedule="threshold")
+    with pytest.raises(ValueError, match="keep to position-free ones"):
+        _generate(target, draft, dspark_candidates=2, repetition_penalty=1.3)
+    for setting in ("dspark_draft_graphs", "dspark_fused_round"):
+        with pytest.raises(ValueError, match=f"drop {setting}=True"):
+            _generate(target, draft, dspark_candidates=2, **{setting: True})
+    with pytest.raises(ValueError, match="dspark_target_graphs=True cannot be used .* verifies trees"):
+        _generate(target, draft, dspark_candidates=2, dspark_target_graphs=True)
+    flash = make_tiny_target("llama")
+    flash.config._attn_implementation = "flash_attention_2"  # (never run: refused before the first forward)
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        _generate(flash, make_draft("dspark", flash), dspark_candidates=2)
+    # Batch 1 returns no cache: a tree round leaves the other chains' columns as holes in it.
+    out = _generate(target, draft, dspark_candidates=2, return_dict_in_generate=True)
+    assert getattr(out, "past_key_values", None) is None and getattr(out, "cache", None) is None

@@ -86,6 +86,51 @@ def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, atte
     assert bool(compactions) == (path in ("static-target", "fused"))
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("candidates", [2, 3])
+@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+def test_greedy_with_first_slot_candidates_matches_target_generate(drafter, candidates, attention, monkeypatch):
+    """A tree of chains (dspark_candidates): the draft's own top-k chains, then oracle chains corrupted apart, so
+    rounds accept later chains and leave the earlier ones' columns as holes in the cache; rows end at EOS."""
+    from hf_dspark.generation import speculative
+
+    target = _target("llama", attention)
+    draft = make_draft(drafter, target, block_size=5)
+    ids, mask = _batch()
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
+    free = target.generate(ids, **kw)
+    eos = int(free[1, ids.shape[1] + 9])  # a token row 1 generates mid-answer ends rows at different rounds
+    expected = target.generate(ids, eos_token_id=eos, **kw)
+    out = target.generate(ids, eos_token_id=eos, assistant_model=draft, dspark_candidates=candidates, **kw)
+    assert torch.equal(out, expected)
+    chains = []
+    verify = speculative.verify_candidates
+    monkeypatch.setattr(speculative, "verify_candidates",
+                        lambda *a, **k: (lambda r: (chains.append(r.chain), r)[1])(verify(*a, **k)))  # fmt: skip
+    OracleProposer(draft, free, mask, corrupt=0.5)
+    out = target.generate(ids, eos_token_id=eos, assistant_model=draft, dspark_candidates=candidates, **kw)
+    assert torch.equal(out, expected)
+    picked = torch.cat(chains)
+    assert (picked > 0).any() and (picked == 0).any() and (picked < 0).any()  # every outcome of the first slot
+    stats = draft.last_generation_stats
+    assert stats.acceptance.fed > stats.acceptance.rounds + stats.acceptance.proposed_total  # k chains were fed
+
+
+def test_first_slot_candidates_return_the_scores_and_logits_of_the_committed_path():
+    target = make_tiny_target("qwen3")
+    draft = make_draft("dspark", target, block_size=4)
+    ids = torch.tensor([PROMPTS[1]])
+    kwargs = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True)  # fmt: skip
+    expected = target.generate(ids, **kwargs)
+    OracleProposer(draft, expected.sequences, torch.ones_like(ids), corrupt=0.5)
+    out = target.generate(ids, assistant_model=draft, dspark_candidates=3, **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    for mine, theirs in zip(out.scores + out.logits, expected.scores + expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert out.speculative_stats.tau > 1.5  # the oracle's chains were accepted
+
+
 @pytest.mark.parametrize("path", ["dynamic", "fused"])
 def test_eos_inside_an_accepted_block_ends_the_row_there(path):
     target = make_tiny_target("llama")

@@ -84,6 +84,22 @@ def test_sampling_is_lossless(target, drafter, setting, path):
     assert 0.05 < stats.accept_rate_by_position[0] < 0.95  # both acceptance and rejection paths ran
 
 
+@pytest.mark.parametrize("setting", LOSSLESS_SETTINGS)
+@pytest.mark.parametrize("candidates", [2, 3])
+@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+def test_sampling_with_first_slot_candidates_is_lossless(target, drafter, candidates, setting):
+    """A tree of chains (dspark_candidates) verified by recursive rejection sampling keeps the target's law, and
+    its first slot is accepted more often than a single chain's on the same prompts."""
+    draft = _draft(drafter, target)
+    samples = _sample(target, setting, draft, dspark_candidates=candidates)
+    stat, dof, p_value = chi_square_test(samples, _expected(setting))
+    assert p_value > P_MIN, (stat, dof)
+    several = draft.last_generation_stats.accept_rate_by_position[0]
+    _sample(target, setting, draft)
+    single = draft.last_generation_stats.accept_rate_by_position[0]
+    assert 0.05 < single < several < 0.99, (single, several)
+
+
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "fused"])  # the fused round verifies whole blocks
 @pytest.mark.parametrize("setting", LOSSLESS_SETTINGS)
 @pytest.mark.parametrize("schedule", ["threshold", "prefix"])

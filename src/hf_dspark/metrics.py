@@ -51,10 +51,11 @@ class AcceptanceStats:
         if self.hit is None:
             self.hit = np.zeros(self.max_positions, dtype=np.int64)
 
-    def add_round(self, proposed, accepted, confidences=None, committed=None, requests=None) -> None:
+    def add_round(self, proposed, accepted, confidences=None, committed=None, requests=None, fed=None) -> None:
         """Record one or more request-rounds: proposed/accepted are ints or 1-D tensors/arrays of equal length.
 
-        committed defaults to accepted + 1; pass it when EOS or max_new_tokens cut the round short.
+        committed defaults to accepted + 1; pass it when EOS or max_new_tokens cut the round short. fed defaults
+        to proposed + 1 (the anchor and one chain); a tree of chains feeds more.
         confidences [rows, n_slots] (optional): the draft's c_k for the proposed slots.
         requests (optional): which request (row of the call) each entry belongs to, for `tau_interval`.
         """
@@ -71,7 +72,7 @@ class AcceptanceStats:
             for request, n in zip(np.atleast_1d(_to_numpy(requests)).tolist(), committed.tolist()):
                 self.request_rounds[request] = self.request_rounds.get(request, 0) + 1
                 self.request_committed[request] = self.request_committed.get(request, 0) + int(n)
-        self.fed += int((proposed + 1).sum())
+        self.fed += int((proposed + 1).sum()) if fed is None else int(np.sum(_to_numpy(fed)))
         self.proposed_total += int(proposed.sum())
         k = np.arange(self.max_positions)
         # Slot k+1 (0-based k) was reached when the first k slots were accepted and it was proposed.

@@ -104,6 +104,101 @@ def verify_block(
     return VerifyResult(num_accepted, sample_from(p_next, generator))
 
 
+@dataclass
+class CandidatesResult:
+    """chain [R]: the accepted first-slot candidate (-1: none); num_accepted [R]: accepted drafts along it (0 when
+    none, else 1 + those after its first slot); next_tokens [R]: the correction or bonus token."""
+
+    chain: torch.LongTensor
+    num_accepted: torch.LongTensor
+    next_tokens: torch.LongTensor
+
+
+def verify_candidates(
+    target_scores: torch.Tensor,
+    draft_tokens: torch.LongTensor,
+    draft_probs: torch.Tensor | None,
+    num_proposed: torch.LongTensor,
+    do_sample: bool,
+    generator: torch.Generator | None = None,
+    method: str = "block",
+) -> CandidatesResult:
+    """Verify k chains that share an anchor: a tree that branches at the first slot (docs/ALGORITHMS.md, "Several
+    candidates a slot").
+
+    target_scores [R, 1 + k n, V]: the target's processed logits at [anchor, chain 1's x_1..x_n, ..., chain k's]
+    (each chain's row j predicts its slot j + 1, its last row the bonus token); draft_tokens [R, k, n];
+    draft_probs [R, k, n, V]: the distributions each chain was drawn from, its first slot independently from
+    the same q_1 (unused when greedy); num_proposed [R]: the leading slots of each chain a row verifies.
+
+    Sampling: the first slot by recursive rejection sampling: candidate i is accepted with probability
+    min(1, r_i(x^i) / q_1(x^i)), r_1 = p_1, r_{i+1} = normalize(max(0, r_i - q_1)); if all fail, the next token
+    is drawn from r_{k+1}. Greedy: the candidate equal to the target's argmax, if any. The accepted candidate's
+    chain is then verified from its second slot by `verify_block` (its drafts were drawn given that candidate,
+    independently of the other chains, so the two steps together keep the target's distribution)."""
+    rows, k, n = draft_tokens.shape
+    vocab = target_scores.shape[-1]
+    if target_scores.shape[1] != 1 + k * n:
+        raise ValueError(f"target_scores has {target_scores.shape[1]} positions; {k} chains of {n} need {1 + k * n}")
+    proposed = num_proposed > 0
+    row = torch.arange(rows, device=target_scores.device)
+    first_tokens = draft_tokens[:, :, 0]  # [R, k]
+    if not do_sample:
+        best = target_scores[:, 0].argmax(dim=-1)
+        hit = (first_tokens == best[:, None]) & proposed[:, None]
+        chain = torch.where(hit.any(dim=-1), hit.long().argmax(dim=-1), -1)
+        first_next = best
+    else:
+        if draft_probs is None:
+            raise ValueError("sampling verification needs draft_probs: the distributions the chains were drawn from")
+        residual = torch.softmax(target_scores[:, 0].float(), dim=-1)
+        q_first = draft_probs[:, 0, 0].float()
+        chain = torch.full((rows,), -1, dtype=torch.long, device=residual.device)
+        for i in range(k):
+            x = first_tokens[:, i, None]
+            u = torch.rand(rows, device=residual.device, generator=generator)
+            pending = (chain < 0) & proposed
+            accept = pending & (u * q_first.gather(1, x).squeeze(1) < residual.gather(1, x).squeeze(1))
+            chain = torch.where(accept, i, chain)
+            left = (residual - q_first).clamp_min(0)
+            mass = left.sum(dim=-1, keepdim=True)
+            # r == q up to rounding makes a rejection (almost) impossible; keep r rather than divide by ~0.
+            left = torch.where(mass > 1e-12, left / mass.clamp_min(1e-30), residual)
+            residual = torch.where((pending & ~accept)[:, None], left, residual)
+        first_next = sample_from(residual, generator)
+    picked = chain.clamp(min=0)
+    scores = target_scores[:, 1:].reshape(rows, k, n, vocab)[row, picked]  # [R, n, V]: after the chain's slots
+    tokens = draft_tokens[row, picked]
+    probs = None if draft_probs is None or not do_sample else draft_probs[row, picked]
+    rest = verify_block(
+        scores, tokens[:, 1:], None if probs is None else probs[:, 1:], (num_proposed - 1).clamp(min=0), do_sample,
+        generator, method,
+    )
+    found = chain >= 0
+    return CandidatesResult(
+        chain,
+        torch.where(found, rest.num_accepted + 1, 0),
+        torch.where(found, rest.next_tokens, first_next),
+    )
+
+
+def tree_depths(candidates: int, n: int, device=None) -> torch.LongTensor:
+    """[1 + k n]: each window column's offset from the anchor in the tree layout of `verify_candidates`
+    ([anchor, chain 1's slots 1..n, ..., chain k's]): 0, then 1..n for every chain."""
+    slots = torch.arange(1, n + 1, device=device).repeat(candidates)
+    return torch.cat([slots.new_zeros(1), slots])
+
+
+def tree_attention(candidates: int, n: int, device=None) -> torch.BoolTensor:
+    """[W, W], W = 1 + k n: which window columns each column attends to in that layout: the anchor, and its own
+    chain's slots up to itself (each chain sees the sequence it continues, as a single chain would)."""
+    chains = torch.arange(candidates, device=device).repeat_interleave(n)
+    chain = torch.cat([chains.new_full((1,), -1), chains])
+    depth = tree_depths(candidates, n, device)
+    own = (chain[:, None] == chain[None, :]) & (depth[None, :] <= depth[:, None])
+    return own | (depth == 0)[None, :]
+
+
 def _block_prefix(p, q, p_x, q_x, u, num_proposed):
     """Block verification's accepted prefix [R] and its weight w_a [R] (module docstring)."""
     rows, n = u.shape
@@ -146,4 +241,7 @@ def cut_at_stop(tokens: torch.LongTensor, counts: torch.LongTensor, stop_ids: to
     return torch.minimum(counts, first + 1), first < counts
 
 
-__all__ = ["VERIFICATIONS", "VerifyResult", "block_tokens", "cut_at_stop", "verify_block"]
+__all__ = [
+    "VERIFICATIONS", "CandidatesResult", "VerifyResult", "block_tokens", "cut_at_stop", "verify_block",
+    "verify_candidates", "tree_attention", "tree_depths",
+]

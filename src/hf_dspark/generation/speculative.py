@@ -80,7 +80,10 @@ from ..target import TargetFeatureHooks
 from .draft_graphs import graphs_supported, static_draft_runner
 from .round_graph import fused_round_runner
 from .target_graphs import static_target_runner, static_target_unsupported
-from .rejection import VERIFICATIONS, block_tokens, cut_at_stop, verify_block
+from .rejection import (
+    VERIFICATIONS, VerifyResult, block_tokens, cut_at_stop, tree_attention, tree_depths, verify_block,
+    verify_candidates,
+)
 from .scheduler import (
     SCHEDULES,
     SPSTable,
@@ -196,6 +199,13 @@ class SpeculativeConfig:
             "block" judges each block jointly (Sun et al. 2024): lossless, and its expected accepted prefix is at
             least that of "token", the classic slot-by-slot rejection sampling (kept for comparison). Greedy
             decoding verifies the same way under both. See `rejection.py`.
+        candidates (`int`, field `dspark_candidates`, defaults to 1): first-slot candidates per round. Above 1 the
+            draft proposes that many chains (DSpark / DFlash: the block's layers run once, the draws repeat), the
+            target verifies them in one forward as a tree that branches at the first slot, and recursive rejection
+            sampling picks at most one (greedy: the draft's top k first tokens; `rejection.verify_candidates`):
+            lossless, more accepted tokens a round, a verify forward of 1 + k n tokens instead of 1 + n. Runs on the
+            dynamic path (no CUDA graphs yet) with whole blocks, position-free logits processors and a target
+            whose attention takes a 4D mask (sdpa, eager; no sliding windows); returns no cache.
     """
 
     schedule: str = "none"
@@ -209,6 +219,7 @@ class SpeculativeConfig:
     compile_draft: bool | str = "auto"
     draft_temperature: float = 1.0
     verification: str = "block"
+    candidates: int = 1
 
     FIELDS = {
         "dspark_schedule": "schedule",
@@ -222,6 +233,7 @@ class SpeculativeConfig:
         "dspark_compile_draft": "compile_draft",
         "dspark_draft_temperature": "draft_temperature",
         "dspark_verification": "verification",
+        "dspark_candidates": "candidates",
     }
 
     @classmethod
@@ -261,6 +273,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"dspark_verification={self.verification!r} is not one of {', '.join(map(repr, VERIFICATIONS))}"
             )
+        if isinstance(self.candidates, bool) or not isinstance(self.candidates, int) or self.candidates < 1:
+            raise ValueError(f"dspark_candidates must be a whole number >= 1, got {self.candidates!r} (1: one chain)")
         if self.block_size is not None and int(self.block_size) < 1:
             raise ValueError(f"dspark_block_size / num_assistant_tokens must be >= 1, got {self.block_size}")
 
@@ -286,6 +300,8 @@ def check_draft_for_target(target, draft) -> None:
 def _use_static_target(model, config: SpeculativeConfig, sliding: bool, forced: bool, rows: int, width: int) -> bool:
     """Whether this call verifies over the static cache (`SpeculativeConfig.target_graphs`)."""
     why_not = static_target_unsupported(model, sliding)
+    if config.candidates > 1:
+        why_not = "dspark_candidates > 1 verifies trees, on the dynamic path only"
     if forced or config.target_graphs is True:
         if why_not:
             setting = "cache_implementation='static'" if forced else "dspark_target_graphs=True"
@@ -360,6 +376,25 @@ def _check_generation_config(generation_config, draft, config: SpeculativeConfig
                 f"dspark_schedule={config.schedule!r} needs per-slot confidences, which only DSpark drafts with a "
                 f"confidence head produce ({type(draft).__name__} has none): use dspark_schedule='none'"
             )
+
+
+def _candidates_unsupported(draft, config: SpeculativeConfig, position_free: bool, sliding: bool, impl) -> str | None:
+    """Why several first-slot candidates (a tree of chains) cannot run with these settings, or None."""
+    if not hasattr(draft, "propose_chains"):
+        return (f"{type(draft).__name__} drafts one token at a time; a tree of chains needs a block drafter "
+                "(DSpark, DFlash)")  # fmt: skip
+    if config.schedule != "none":
+        return "confidence schedules cut a single chain: use dspark_schedule='none'"
+    if not position_free:
+        return ("logits processors that read the sequence (repetition penalty, n-gram bans, ...) would see a "
+                "different sequence on each branch: keep to position-free ones (temperature, top-k, top-p, ...)")
+    if sliding or impl not in ("sdpa", "eager"):
+        return ("the tree's verify forward needs a 4D attention mask: a target with sdpa or eager attention "
+                "(attn_implementation='sdpa') and no sliding-window layers")
+    for name in ("target_graphs", "draft_graphs", "fused_round", "compile", "compile_draft"):
+        if getattr(config, name) is True:
+            return f"trees run on the dynamic path (no CUDA graphs yet): drop dspark_{name}=True"
+    return None
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
@@ -446,12 +481,13 @@ def speculative_generate(
     draft.last_generation_stats = decoder.stats
     if static:  # the verification cache lived inside the call
         return decoder.output(None, cache_key)
-    if batch == 1 and not row_by_row:
+    whole = batch == 1 and decoder.candidates == 1  # (batched rows and tree rounds leave holes in the cache)
+    if whole and not row_by_row:
         # As after _sample: the cache holds every token but the last one (drop tokens accepted past a stop).
         extra = cache.get_seq_length() - (input_ids.shape[1] + decoder.lengths[0] - 1)
         if extra > 0:
             cache.crop(-extra)
-    return decoder.output(cache if batch == 1 else None, cache_key)
+    return decoder.output(cache if whole else None, cache_key)
 
 
 def _draft_processors(processors, config: SpeculativeConfig, do_sample: bool) -> list:
@@ -513,6 +549,12 @@ class _Decoder:
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.sps_table = None
+        impl = getattr(model.config, "_attn_implementation", None)
+        self.candidates = int(config.candidates)
+        if self.candidates > 1:
+            reason = _candidates_unsupported(draft, config, self.position_free, sliding, impl)
+            if reason:
+                raise ValueError(f"dspark_candidates={self.candidates} cannot be used here: {reason}")
         # The draft's per-round work on static shapes, captured as CUDA graphs (draft_graphs.py).
         why_not = graphs_supported(self.position_free, sliding_target=sliding)
         if config.draft_graphs is True and why_not:
@@ -521,7 +563,6 @@ class _Decoder:
         self.static_draft = config.draft_graphs is True or (config.draft_graphs == "auto" and on_cuda and not why_not)
         self.capture_graphs = self.static_draft and on_cuda
         # A ready 4D verification mask where the attention implementation takes one (see _verify_mask).
-        impl = getattr(model.config, "_attn_implementation", None)
         # (Not with sliding-window layers: one 4D mask would override their own windows.)
         # Additive, not boolean: SDPA turns a boolean mask into an additive one in every layer (about 90 nested
         # operators a round for a SmolLM2-depth target on CPU, a kernel a layer on a GPU).
@@ -559,6 +600,8 @@ class _Decoder:
         if config.compile_draft is True and not self.static_draft:
             raise ValueError("dspark_compile_draft=True compiles the static draft path's functions, but the static "
                              "draft path is not in use (dspark_draft_graphs)")
+        if self.candidates > 1:  # trees run on the dynamic path ("auto" settings; explicit ones were refused)
+            self.static_draft = self.capture_graphs = self.fused = self.compile = self.compile_draft = False
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -774,6 +817,11 @@ class _Decoder:
                         dcache.select(index)  # (a static run keeps every row's slot)
                     mask, real, rows_t, local_t = mask[index], real[index], rows_t[index], local_t[index]
                     row_ids = [row_ids[i] for i in keep]
+                if self.candidates > 1:
+                    counts, finished, mask, real = self._tree_round(
+                        cache_kw, dcache, hooks, rows_t, row_ids, mask, real
+                    )
+                    continue
                 counts, finished, mask, real = self._round(
                     cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t, target_runner
                 )
@@ -942,7 +990,84 @@ class _Decoder:
             self.stats.draft_time += time.perf_counter() - t2
         return counts, finished, mask, real
 
-    def _verify_mask(self, mask: torch.Tensor, window_valid: torch.Tensor) -> torch.Tensor:
+    def _tree_round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real):
+        """One round with k first-slot candidates (`SpeculativeConfig.candidates`): k chains of n drafts, one
+        verify forward over [anchor, chain 1, ..., chain k] with each chain seeing the anchor and its own earlier
+        slots (`tree_attention`), `verify_candidates`, then the committed path is packed for the draft and the
+        target cache keeps every window column (the other chains' are holes, masked like a shorter row's)."""
+        model, draft, k = self.model, self.draft, self.candidates
+        device = rows_t.device
+        n_rows = len(row_ids)
+        t0 = time.perf_counter()
+        lengths = [self.lengths[r] for r in row_ids]
+        n = max(max(0, min(self.num_tokens, self.budget - length - 1)) for length in lengths)
+        if n == 0:  # the budget allows no draft token: a plain round verifies the anchor alone
+            return self._round(cache_kw, dcache, hooks, rows_t, row_ids, mask, real)
+        with phase("propose"):
+            lengths_t = self.lengths_t[rows_t]
+            caps = (self.budget - 1 - lengths_t).clamp(min=0, max=n)
+            anchors = self.buffer[rows_t, self.prompt_length + lengths_t - 1]
+            proposal = draft.propose_chains(dcache, anchors, sampler=self.sampler, num_tokens=n, candidates=k)
+            chains = proposal.tokens.view(n_rows, k, n)
+            probs = None if proposal.probs is None else proposal.probs.view(n_rows, k, n, -1)
+        t1 = time.perf_counter()
+        self.stats.draft_time += t1 - t0
+
+        with phase("verify_forward"):
+            window = torch.cat([anchors[:, None], chains.reshape(n_rows, k * n)], dim=1)  # [R, 1 + k n]
+            depth = tree_depths(k, n, device)
+            out = model(
+                input_ids=window,
+                attention_mask=self._verify_mask(mask, None, tree_attention(k, n, device)),
+                position_ids=real[:, None] + depth,
+                use_cache=True,
+                logits_to_keep=window.shape[1],
+                **cache_kw,
+            )
+            raw = out.logits[:, -window.shape[1] :].float()
+            features = hooks.features
+            del out
+        with phase("accept"):
+            scores = self._process(raw, rows_t, lengths)
+            result = verify_candidates(scores, chains, probs, caps, self.do_sample, method=self.config.verification)
+            accepted = result.num_accepted
+            picked = result.chain.clamp(min=0)
+            # The committed path's window columns: the anchor, then the accepted chain's slots.
+            slots = 1 + picked[:, None] * n + torch.arange(n, device=device)
+            path = torch.cat([torch.zeros_like(picked)[:, None], slots], dim=1)
+            tokens = torch.cat([anchors[:, None], chains[torch.arange(n_rows, device=device), picked]], dim=1)
+            new_tokens = block_tokens(tokens, VerifyResult(accepted, result.next_tokens))
+        with phase("commit"):
+            gather = lambda values: values.gather(1, path[..., None].expand(-1, -1, values.shape[-1]))  # noqa: E731
+            counts, finished, (accepted_h, verify_h, picked_h) = self._commit(
+                rows_t, row_ids, new_tokens, accepted + 1, gather(scores) if self.want_scores else None,
+                gather(raw) if self.want_logits else None, extra=(accepted, caps, picked),
+            )  # fmt: skip
+        t2 = time.perf_counter()
+        self.stats.verify_time += t2 - t1
+        self.stats.acceptance.add_round(
+            verify_h, accepted_h, committed=counts, requests=row_ids, fed=[1 + k * v for v in verify_h]
+        )
+
+        with phase("rollback"):
+            continuing = [i for i, f in enumerate(finished) if not f]
+            on_path = torch.zeros(n_rows, window.shape[1], dtype=torch.bool, device=device)
+            on_path.scatter_(1, path, torch.arange(n + 1, device=device)[None, :] <= accepted[:, None])
+            # Keep the window up to the last committed column among continuing rows; the rest are holes.
+            last = [a and picked_h[i] * n + a for i, a in enumerate(accepted_h)]  # the anchor is column 0
+            keep = max(last[i] for i in (continuing or range(n_rows))) + 1
+            cache_kw[self.cache_kwarg].crop(-(window.shape[1] - keep))
+            mask = torch.cat([mask, on_path[:, :keep].long()], dim=1)
+            real = real + accepted + 1
+        if continuing:
+            with phase("extend"):
+                draft.extend_context(dcache, gather(features), next_token_ids=new_tokens,
+                                     max_committed=max(accepted_h) + 1, counts=accepted + 1)  # fmt: skip
+            self.stats.draft_time += time.perf_counter() - t2
+        return counts, finished, mask, real
+
+    def _verify_mask(self, mask: torch.Tensor, window_valid: torch.Tensor | None,
+                     window_attention: torch.Tensor | None = None) -> torch.Tensor:
         """The verification forward's attention mask.
 
         Where the target's attention takes a ready 4D mask (sdpa, eager) and no layer has a sliding window, build
@@ -952,10 +1077,12 @@ class _Decoder:
         """
         if not self.mask_4d:
             return torch.cat([mask, window_valid.long()], dim=1)
-        rows, width = window_valid.shape
+        if window_attention is None:
+            width = window_valid.shape[1]
+            window_attention = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
+        rows, width = mask.shape[0], window_attention.shape[0]
         past = mask.bool()[:, None, None, :].expand(rows, 1, width, mask.shape[1])
-        causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
-        full = torch.cat([past, causal[None, None].expand(rows, 1, width, width)], dim=-1)
+        full = torch.cat([past, window_attention[None, None].expand(rows, 1, width, width)], dim=-1)
         additive = torch.zeros(full.shape, dtype=self.mask_dtype, device=full.device)
         return additive.masked_fill_(~full, torch.finfo(self.mask_dtype).min)
 

@@ -197,6 +197,11 @@ class DSparkModel(DraftPreTrainedModel):
         cache.advance(counts, features.shape[1])
 
     def _propose(self, cache, anchor_ids, sampler, num_tokens, input_ids, draft_tokens, return_logits) -> DraftProposal:
+        hidden = self._block_hidden(cache, anchor_ids, num_tokens)
+        return self._sample_block(hidden, anchor_ids, sampler, input_ids, draft_tokens, return_logits)
+
+    def _block_hidden(self, cache, anchor_ids, num_tokens) -> torch.Tensor:
+        """The draft layers' output for the first `num_tokens` slots of a block after each anchor: [R, n, d]."""
         cfg = self.config
         K = cfg.block_size
         if num_tokens > K:
@@ -215,16 +220,42 @@ class DSparkModel(DraftPreTrainedModel):
             dim=-1,
         ).unsqueeze(1)
         context_kvs = [cache.layer_kv(i, length) for i in range(len(self.layers))]
-        hidden = self._run_layers(hidden, cos, sin, context_kvs, mask)[:, :num_tokens]
-        return self._sample_block(hidden, anchor_ids, sampler, input_ids, draft_tokens, return_logits)
+        return self._run_layers(hidden, cos, sin, context_kvs, mask)[:, :num_tokens]
 
-    def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens, return_logits) -> DraftProposal:
+    @torch.no_grad()
+    def propose_chains(self, cache, anchor_ids, *, sampler, num_tokens: int, candidates: int) -> DraftProposal:
+        """`candidates` chains of `num_tokens` drafts after each anchor, for a round verified as a tree that
+        branches at the first slot (`generation.rejection.verify_candidates`). The block's layers run once; only
+        the draws repeat. Sampling: the chains are drawn independently (their first tokens are independent draws
+        from the same q_1, as recursive rejection sampling needs); greedy: the k highest-scoring first tokens,
+        each continued greedily. tokens [R * k, n] and probs [R * k, n, V] (sampling), row r's chain c at r * k + c;
+        no confidences (confidence schedules do not apply to trees)."""
+        if not 1 <= candidates:
+            raise ValueError(f"candidates must be >= 1, got {candidates}")
+        hidden = self._block_hidden(cache, anchor_ids, num_tokens)
+        first = None
+        if not sampler.do_sample:  # the first slot's k best tokens (its scores do not depend on the chain)
+            one = self._sample_block(hidden[:, :1], anchor_ids, sampler, None, None, return_logits=True)
+            scores = sampler.process(one.logits[:, 0])
+            if candidates > scores.shape[-1]:
+                raise ValueError(f"candidates={candidates} exceeds the vocabulary ({scores.shape[-1]} tokens)")
+            first = scores.topk(candidates, dim=-1).indices.reshape(-1)
+        hidden = hidden.repeat_interleave(candidates, dim=0)
+        anchors = anchor_ids.repeat_interleave(candidates, dim=0)
+        proposal = self._sample_block(hidden, anchors, sampler, None, None, return_logits=False, first_tokens=first)
+        proposal.confidences = proposal.confidence_logits = None
+        return proposal
+
+    def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens, return_logits,
+                      first_tokens=None) -> DraftProposal:
         """Left-to-right sampling through the Markov head; without one (DFlash) and with processors that do not
         read the sequence (`input_ids` is None), every slot is drawn in one batched call. Logits are cast to
         float32 here only when returned: otherwise the sampler casts what it processes, and a greedy draw without
         processors argmaxes them as they are (`TokenSampler.draw`)."""
         cfg = self.config
         rows, n, _ = hidden.shape
+        if first_tokens is not None and sampler.do_sample:
+            raise ValueError("first_tokens chooses greedy chains' first slot; a sampled slot must be drawn from q")
         base_logits = F.linear(hidden, self.lm_head.weight)  # [R, n, V], once for the whole block
         if not cfg.has_markov_head and input_ids is None:
             logits = self.finish_logits(base_logits)
@@ -233,8 +264,11 @@ class DSparkModel(DraftPreTrainedModel):
             # Every slot at once, as the rows of one draw.
             probs, tokens = self._draw(sampler, logits.reshape(rows * n, -1), None, [], forced, 0)
             probs = None if probs is None else probs.view(rows, n, -1)
+            tokens = tokens.view(rows, n)
+            if first_tokens is not None:  # (no Markov head: later slots do not read the first one)
+                tokens = torch.cat([first_tokens[:, None], tokens[:, 1:]], dim=1)
             confidence_logits = self.confidence_head(hidden).float() if cfg.enable_confidence_head else None
-            return self._proposal(tokens.view(rows, n), probs, logits if return_logits else None, confidence_logits)
+            return self._proposal(tokens, probs, logits if return_logits else None, confidence_logits)
         prev = anchor_ids
         state = self.markov_head.init_state(hidden[:, 0]) if cfg.has_markov_head else None
         tokens, probs, logits, prev_embeds = [], [], [], []
@@ -250,6 +284,8 @@ class DSparkModel(DraftPreTrainedModel):
                 step_logits = step_logits.float()
                 logits.append(step_logits)
             p_k, x_k = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, k)
+            if k == 0 and first_tokens is not None:
+                x_k = first_tokens
             tokens.append(x_k)
             probs.append(p_k)
             prev = x_k
