@@ -203,9 +203,11 @@ class SpeculativeConfig:
             draft proposes that many chains (DSpark / DFlash: the block's layers run once, the draws repeat), the
             target verifies them in one forward as a tree that branches at the first slot, and recursive rejection
             sampling picks at most one (greedy: the draft's top k first tokens; `rejection.verify_candidates`):
-            lossless, more accepted tokens a round, a verify forward of 1 + k n tokens instead of 1 + n. Runs on the
-            dynamic path (no CUDA graphs yet) with whole blocks, position-free logits processors and a target
-            whose attention takes a 4D mask (sdpa, eager; no sliding windows); returns no cache.
+            lossless, more accepted tokens a round, a verify forward of 1 + k n tokens instead of 1 + n. The draft
+            proposes eagerly (no draft graphs or fused round yet); the target verifies on the static path where it
+            applies (`target_graphs`: its forward a CUDA graph over a tree mask), else on the dynamic cache. Needs
+            whole blocks, position-free logits processors and a target whose attention takes a 4D mask (sdpa,
+            eager; no sliding windows); returns no cache.
     """
 
     schedule: str = "none"
@@ -300,8 +302,6 @@ def check_draft_for_target(target, draft) -> None:
 def _use_static_target(model, config: SpeculativeConfig, sliding: bool, forced: bool, rows: int, width: int) -> bool:
     """Whether this call verifies over the static cache (`SpeculativeConfig.target_graphs`)."""
     why_not = static_target_unsupported(model, sliding)
-    if config.candidates > 1:
-        why_not = "dspark_candidates > 1 verifies trees, on the dynamic path only"
     if forced or config.target_graphs is True:
         if why_not:
             setting = "cache_implementation='static'" if forced else "dspark_target_graphs=True"
@@ -391,9 +391,9 @@ def _candidates_unsupported(draft, config: SpeculativeConfig, position_free: boo
     if sliding or impl not in ("sdpa", "eager"):
         return ("the tree's verify forward needs a 4D attention mask: a target with sdpa or eager attention "
                 "(attn_implementation='sdpa') and no sliding-window layers")
-    for name in ("target_graphs", "draft_graphs", "fused_round", "compile", "compile_draft"):
+    for name in ("draft_graphs", "fused_round", "compile_draft"):
         if getattr(config, name) is True:
-            return f"trees run on the dynamic path (no CUDA graphs yet): drop dspark_{name}=True"
+            return f"the draft proposes trees eagerly (no draft graphs or fused rounds yet): drop dspark_{name}=True"
     return None
 
 
@@ -600,8 +600,8 @@ class _Decoder:
         if config.compile_draft is True and not self.static_draft:
             raise ValueError("dspark_compile_draft=True compiles the static draft path's functions, but the static "
                              "draft path is not in use (dspark_draft_graphs)")
-        if self.candidates > 1:  # trees run on the dynamic path ("auto" settings; explicit ones were refused)
-            self.static_draft = self.capture_graphs = self.fused = self.compile = self.compile_draft = False
+        if self.candidates > 1:  # the draft proposes trees eagerly ("auto" settings; explicit ones were refused)
+            self.static_draft = self.capture_graphs = self.fused = self.compile_draft = False
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -760,13 +760,15 @@ class _Decoder:
             scores = self._process(raw, rows_t, [0] * len(row_ids))
             first = self._select(scores[:, 0])
             # Room for every committed token plus one round's unread tail (static runs write whole rounds).
-            capacity = prompt.shape[1] + self.budget + 2 * (self.num_tokens + 1)
+            # (A tree round's window holds every chain: 1 + k n columns.)
+            width = 1 + self.candidates * self.num_tokens
+            capacity = prompt.shape[1] + self.budget + 2 * width
             fused = runner = target_runner = None
             if self.static_target:  # (a fused round captures the verify forward inside its own graph)
                 target_runner = static_target_runner(
-                    model, self.cache_kwarg, cache, rows=len(row_ids), width=self.num_tokens + 1, capacity=capacity,
-                    capture=device.type == "cuda" and not self.fused,
-                    compile=self.compile,
+                    model, self.cache_kwarg, cache, rows=len(row_ids), width=width, capacity=capacity,
+                    capture=device.type == "cuda" and not self.fused, compile=self.compile,
+                    tree=(self.candidates, self.num_tokens) if self.candidates > 1 else None,
                 )
             if self.fused:
                 fused = fused_round_runner(
@@ -819,7 +821,7 @@ class _Decoder:
                     row_ids = [row_ids[i] for i in keep]
                 if self.candidates > 1:
                     counts, finished, mask, real = self._tree_round(
-                        cache_kw, dcache, hooks, rows_t, row_ids, mask, real
+                        cache_kw, dcache, hooks, rows_t, row_ids, mask, real, local_t, target_runner
                     )
                     continue
                 counts, finished, mask, real = self._round(
@@ -990,11 +992,12 @@ class _Decoder:
             self.stats.draft_time += time.perf_counter() - t2
         return counts, finished, mask, real
 
-    def _tree_round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real):
+    def _tree_round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, local_t, target_runner):
         """One round with k first-slot candidates (`SpeculativeConfig.candidates`): k chains of n drafts, one
         verify forward over [anchor, chain 1, ..., chain k] with each chain seeing the anchor and its own earlier
         slots (`tree_attention`), `verify_candidates`, then the committed path is packed for the draft and the
-        target cache keeps every window column (the other chains' are holes, masked like a shorter row's)."""
+        target cache keeps every window column (the other chains' are holes, masked like a shorter row's). On the
+        static path the window always holds whole chains (the runner's tree layout); caps cut what is verified."""
         model, draft, k = self.model, self.draft, self.candidates
         device = rows_t.device
         n_rows = len(row_ids)
@@ -1002,10 +1005,13 @@ class _Decoder:
         lengths = [self.lengths[r] for r in row_ids]
         n = max(max(0, min(self.num_tokens, self.budget - length - 1)) for length in lengths)
         if n == 0:  # the budget allows no draft token: a plain round verifies the anchor alone
-            return self._round(cache_kw, dcache, hooks, rows_t, row_ids, mask, real)
+            return self._round(cache_kw, dcache, hooks, rows_t, row_ids, mask, real, None, local_t, target_runner)
+        caps_max = n
+        if target_runner is not None:
+            n = self.num_tokens
         with phase("propose"):
             lengths_t = self.lengths_t[rows_t]
-            caps = (self.budget - 1 - lengths_t).clamp(min=0, max=n)
+            caps = (self.budget - 1 - lengths_t).clamp(min=0, max=caps_max)
             anchors = self.buffer[rows_t, self.prompt_length + lengths_t - 1]
             proposal = draft.propose_chains(dcache, anchors, sampler=self.sampler, num_tokens=n, candidates=k)
             chains = proposal.tokens.view(n_rows, k, n)
@@ -1015,18 +1021,22 @@ class _Decoder:
 
         with phase("verify_forward"):
             window = torch.cat([anchors[:, None], chains.reshape(n_rows, k * n)], dim=1)  # [R, 1 + k n]
-            depth = tree_depths(k, n, device)
-            out = model(
-                input_ids=window,
-                attention_mask=self._verify_mask(mask, None, tree_attention(k, n, device)),
-                position_ids=real[:, None] + depth,
-                use_cache=True,
-                logits_to_keep=window.shape[1],
-                **cache_kw,
-            )
-            raw = out.logits[:, -window.shape[1] :].float()
-            features = hooks.features
-            del out
+            positions = real[:, None] + tree_depths(k, n, device)
+            if target_runner is not None:
+                raw, features = target_runner.verify(local_t, window, positions)
+                raw = raw.float()
+            else:
+                out = model(
+                    input_ids=window,
+                    attention_mask=self._verify_mask(mask, None, tree_attention(k, n, device)),
+                    position_ids=positions,
+                    use_cache=True,
+                    logits_to_keep=window.shape[1],
+                    **cache_kw,
+                )
+                raw = out.logits[:, -window.shape[1] :].float()
+                features = hooks.features
+                del out
         with phase("accept"):
             scores = self._process(raw, rows_t, lengths)
             result = verify_candidates(scores, chains, probs, caps, self.do_sample, method=self.config.verification)
@@ -1056,8 +1066,11 @@ class _Decoder:
             # Keep the window up to the last committed column among continuing rows; the rest are holes.
             last = [a and picked_h[i] * n + a for i, a in enumerate(accepted_h)]  # the anchor is column 0
             keep = max(last[i] for i in (continuing or range(n_rows))) + 1
-            cache_kw[self.cache_kwarg].crop(-(window.shape[1] - keep))
-            mask = torch.cat([mask, on_path[:, :keep].long()], dim=1)
+            if target_runner is not None:
+                target_runner.commit(local_t, on_path[:, :keep], keep)
+            else:
+                cache_kw[self.cache_kwarg].crop(-(window.shape[1] - keep))
+                mask = torch.cat([mask, on_path[:, :keep].long()], dim=1)
             real = real + accepted + 1
         if continuing:
             with phase("extend"):

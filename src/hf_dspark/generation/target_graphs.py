@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from .cuda_graphs import capture, capture_or_uncompiled, captured_or_warned, kept_runner
+from .rejection import tree_attention
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class StaticTargetRunner:
     generation saves."""
 
     def __init__(self, model, cache_kwarg: str, layer_shapes: list[tuple], rows: int, width: int, capacity: int,
-                 capture: bool, device: torch.device, compile: bool = False):
+                 capture: bool, device: torch.device, compile: bool = False, tree: tuple[int, int] | None = None):
         self._model = weakref.ref(model)  # runners are kept per model (static_target_runner): no cycle through it
         self.cache_kwarg = cache_kwarg
         self.rows, self.width, self.capacity = int(rows), int(width), int(capacity)
@@ -88,6 +89,13 @@ class StaticTargetRunner:
         self.window = torch.zeros(rows, self.width, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, self.width, dtype=torch.long, device=device)
         self.slot = torch.arange(self.width, device=device)
+        # A window of k chains of n drafts after the anchor (`rejection.tree_attention`), or one chain (causal).
+        self.tree = tree
+        self.window_attention = None
+        if tree is not None:
+            if 1 + tree[0] * tree[1] != self.width:
+                raise ValueError(f"a tree of {tree[0]} chains of {tree[1]} needs a window of {1 + tree[0] * tree[1]}")
+            self.window_attention = tree_attention(*tree, device=device)
         self.cols = torch.arange(capacity, device=device)
         self.capture = capture and device.type == "cuda"
         self.hooks = None
@@ -118,9 +126,13 @@ class StaticTargetRunner:
         return self._graph is not None
 
     def _mask(self) -> torch.Tensor:
-        """[rows, 1, width, capacity]: each row's committed keys, plus the window causally."""
+        """[rows, 1, width, capacity]: each row's committed keys, plus the window causally (or as a tree)."""
         rel = self.cols[None, :] - self.length_t  # [1, capacity]: column offset from the window's start
-        in_window = (rel >= 0) & (rel <= self.slot[:, None])  # [width, capacity]
+        if self.window_attention is None:
+            in_window = (rel >= 0) & (rel <= self.slot[:, None])  # [width, capacity]
+        else:
+            inside = (rel >= 0) & (rel < self.width)
+            in_window = inside & self.window_attention[:, rel[0].clamp(0, self.width - 1)]
         allowed = self.key_valid[:, None, None, :] | in_window[None, None]
         zero = torch.zeros((), dtype=self.mask_dtype, device=allowed.device)
         return torch.where(allowed, zero, torch.finfo(self.mask_dtype).min)
@@ -203,15 +215,15 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> 
 
 
 def static_target_runner(model, cache_kwarg: str, prefill_cache, rows: int, width: int, capacity: int,
-                         capture: bool, compile: bool = False) -> StaticTargetRunner:
+                         capture: bool, compile: bool = False, tree: tuple[int, int] | None = None) -> StaticTargetRunner:
     """The target's runner for this call: the last one when the shape matches and its capacity fits, so its graph
     is replayed again; else a new one (`kept_runner`)."""
     layers = tuple((layer.keys.shape[1], layer.keys.shape[3], layer.keys.dtype) for layer in prefill_cache.layers)
     device = prefill_cache.layers[0].keys.device
     # Replaced weights (a reload, .to()) would leave a graph reading freed memory: their address is in the key.
-    key = (cache_kwarg, layers, rows, width, capture, compile, str(device), next(model.parameters()).data_ptr())
+    key = (cache_kwarg, layers, rows, width, capture, compile, tree, str(device), next(model.parameters()).data_ptr())
     build = lambda cap: StaticTargetRunner(  # noqa: E731
-        model, cache_kwarg, list(layers), rows, width, cap, capture, device, compile
+        model, cache_kwarg, list(layers), rows, width, cap, capture, device, compile, tree
     )
     return kept_runner(_RUNNERS, model, key, capacity, lambda r: r.capacity, build)
 
