@@ -45,12 +45,6 @@ class OperatorCount(TorchDispatchMode):
 # generate() options of each decoding path the tests run: the dynamic one; the static draft (CUDA graphs on GPU,
 # eager here); the static draft with the static verification cache (cache_implementation="static",
 # target_graphs.py); whole rounds as one graph (round_graph.py).
-# Where a tree of chains (dspark_candidates > 1) runs: the draft proposes eagerly, the target verifies either way.
-TREE_PATHS = {
-    "dynamic": {"dspark_draft_graphs": False},
-    "static-target": {"dspark_draft_graphs": False, "dspark_target_graphs": True},
-}
-
 PATHS = {
     "dynamic": {"dspark_draft_graphs": False},
     "static": {"dspark_draft_graphs": True},

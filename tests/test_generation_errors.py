@@ -295,9 +295,6 @@ def test_first_slot_candidates_name_what_they_need(target, draft):
         _generate(target, draft, dspark_candidates=2, dspark_schedule="threshold")
     with pytest.raises(ValueError, match="keep to position-free ones"):
         _generate(target, draft, dspark_candidates=2, repetition_penalty=1.3)
-    for setting in ("dspark_draft_graphs", "dspark_fused_round", "dspark_compile_draft"):
-        with pytest.raises(ValueError, match=f"drop {setting}=True"):
-            _generate(target, draft, dspark_candidates=2, **{setting: True})
     flash = make_tiny_target("llama")
     flash.config._attn_implementation = "flash_attention_2"  # (never run: refused before the first forward)
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import make_tiny_target
-from generation_utils import PATHS, TREE_PATHS, OracleProposer, left_padded, make_draft
+from generation_utils import PATHS, OracleProposer, left_padded, make_draft
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -86,14 +86,14 @@ def test_long_accepted_blocks_with_rows_accepting_different_lengths(family, atte
     assert bool(compactions) == (path in ("static-target", "fused"))
 
 
-@pytest.mark.parametrize("path", list(TREE_PATHS))
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("candidates", [2, 3])
 @pytest.mark.parametrize("drafter", ["dspark", "dflash"])
 def test_greedy_with_first_slot_candidates_matches_target_generate(drafter, candidates, attention, path, monkeypatch):
     """A tree of chains (dspark_candidates): the draft's own top-k chains, then oracle chains corrupted apart, so
     rounds accept later chains and leave the earlier ones' columns as holes in the cache; rows end at EOS."""
-    from hf_dspark.generation import cuda_graphs, speculative
+    from hf_dspark.generation import cuda_graphs, round_graph, speculative
     from hf_dspark.generation.target_graphs import StaticTargetRunner
 
     monkeypatch.setattr(cuda_graphs, "CAPACITY_STEP", 1)  # capacity exactly as asked: the holes fill it up
@@ -108,21 +108,23 @@ def test_greedy_with_first_slot_candidates_matches_target_generate(drafter, cand
     free = target.generate(ids, **kw)
     eos = int(free[1, ids.shape[1] + 9])  # a token row 1 generates mid-answer ends rows at different rounds
     expected = target.generate(ids, eos_token_id=eos, **kw)
-    out = target.generate(ids, eos_token_id=eos, assistant_model=draft, dspark_candidates=candidates, **TREE_PATHS[path], **kw)
+    out = target.generate(ids, eos_token_id=eos, assistant_model=draft, dspark_candidates=candidates, **PATHS[path], **kw)
     assert torch.equal(out, expected)
     chains = []
     verify = speculative.verify_candidates
-    monkeypatch.setattr(speculative, "verify_candidates",
-                        lambda *a, **k: (lambda r: (chains.append(r.chain), r)[1])(verify(*a, **k)))  # fmt: skip
+    for module in (speculative, round_graph):  # the fused round calls it from its own module
+        monkeypatch.setattr(module, "verify_candidates",
+                            lambda *a, **k: (lambda r: (chains.append(r.chain), r)[1])(verify(*a, **k)))  # fmt: skip
+    draft = make_draft(drafter, target, block_size=5)  # (a fresh one: the static runners kept are the draft's own)
     OracleProposer(draft, free, mask, corrupt=0.5)
-    out = target.generate(ids, eos_token_id=eos, assistant_model=draft, dspark_candidates=candidates, **TREE_PATHS[path], **kw)
+    out = target.generate(ids, eos_token_id=eos, assistant_model=draft, dspark_candidates=candidates, **PATHS[path], **kw)
     assert torch.equal(out, expected)
     picked = torch.cat(chains)
     assert (picked > 0).any() and (picked == 0).any() and (picked < 0).any()  # every outcome of the first slot
     stats = draft.last_generation_stats
     assert stats.acceptance.fed > stats.acceptance.rounds + stats.acceptance.proposed_total  # k chains were fed
-    # The static path verified every round over its fixed-capacity cache, compacting the chains' holes away.
-    assert bool(verified) == bool(compacted) == (path == "static-target")
+    # The static paths verified every round over their fixed-capacity cache, compacting the chains' holes away.
+    assert bool(verified) == (path == "static-target") and bool(compacted) == (path in ("static-target", "fused"))
 
 
 def test_first_slot_candidates_return_the_scores_and_logits_of_the_committed_path():

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 from conftest import make_tiny_target
-from generation_utils import PATHS, TREE_PATHS, chi_square_test, continuation_distribution, make_draft, processors
+from generation_utils import PATHS, chi_square_test, continuation_distribution, make_draft, processors
 
 import hf_dspark.generation.speculative as speculative
 from hf_dspark.generation.rejection import VerifyResult, verify_block
@@ -84,7 +84,7 @@ def test_sampling_is_lossless(target, drafter, setting, path):
     assert 0.05 < stats.accept_rate_by_position[0] < 0.95  # both acceptance and rejection paths ran
 
 
-@pytest.mark.parametrize("path", list(TREE_PATHS))
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("setting", LOSSLESS_SETTINGS)
 @pytest.mark.parametrize("candidates", [2, 3])
 @pytest.mark.parametrize("drafter", ["dspark", "dflash"])
@@ -92,7 +92,7 @@ def test_sampling_with_first_slot_candidates_is_lossless(target, drafter, candid
     """A tree of chains (dspark_candidates) verified by recursive rejection sampling keeps the target's law, and
     its first slot is accepted more often than a single chain's on the same prompts."""
     draft = _draft(drafter, target)
-    samples = _sample(target, setting, draft, dspark_candidates=candidates, **TREE_PATHS[path])
+    samples = _sample(target, setting, draft, dspark_candidates=candidates, **PATHS[path])
     stat, dof, p_value = chi_square_test(samples, _expected(setting))
     assert p_value > P_MIN, (stat, dof)
     several = draft.last_generation_stats.accept_rate_by_position[0]

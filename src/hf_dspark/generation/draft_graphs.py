@@ -35,10 +35,12 @@ logger = logging.getLogger(__name__)
 class StaticDraftRunner:
     """Propose / extend for all `rows` of a run through static buffers (CUDA graphs on CUDA when `capture`)."""
 
-    def __init__(self, draft, cache, sampler, num_tokens: int, capture: bool, compile: bool = False):
+    def __init__(self, draft, cache, sampler, num_tokens: int, capture: bool, compile: bool = False,
+                 candidates: int = 1):
         self._draft = weakref.ref(draft)  # runners are kept per draft (static_draft_runner): no cycle through it
         self.cache, self.sampler = cache, sampler
         self.num_tokens = int(num_tokens)
+        self.candidates = int(candidates)  # > 1: k chains a round (`propose_chains`), for a tree round
         self.width = self.num_tokens + 1  # committed positions per round: accepted drafts + the new token
         rows, device = cache.batch_size, cache.device
         feature_width = draft.config.num_context_features * draft.config.target_hidden_size
@@ -79,6 +81,9 @@ class StaticDraftRunner:
     # -- the two functions ------------------------------------------------------------------------------------
 
     def _run_propose(self) -> DraftProposal:
+        if self.candidates > 1:
+            return self.draft.propose_chains(self.cache, self.anchor_ids, sampler=self.sampler,
+                                             num_tokens=self.num_tokens, candidates=self.candidates)  # fmt: skip
         # No caller reads the raw logits: not building them saves a cast per slot and their stack.
         return self.draft.propose(
             self.cache, self.anchor_ids, sampler=self.sampler, num_tokens=self.num_tokens, return_logits=False
@@ -123,6 +128,18 @@ class StaticDraftRunner:
             confidence_logits=pick(full.confidence_logits),
         )
 
+    def propose_chains(self, local_rows: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The running rows' k chains after `anchors` [R]: tokens [R, k, n] and, when sampling, probs [R, k, n, V]."""
+        self.anchor_ids[local_rows] = anchors
+        if self._propose_graph is not None:
+            self._propose_graph.replay()
+            full = self._proposal
+        else:
+            full = self._eager(self._propose_fn, self._run_propose)
+        rows, k = self.anchor_ids.shape[0], self.candidates
+        tokens = full.tokens.view(rows, k, self.num_tokens)[local_rows]
+        return tokens, None if full.probs is None else full.probs.view(rows, k, self.num_tokens, -1)[local_rows]
+
     def extend(self, local_rows: torch.Tensor, features: torch.Tensor, counts: torch.Tensor, next_ids: torch.Tensor):
         """Append the first `counts` [R] of the positions `features` [R, w] (w <= num_tokens + 1) of the running
         rows."""
@@ -157,15 +174,15 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> 
 
 
 def static_draft_runner(draft, rows: int, capacity: int, sampler, do_sample: bool, num_tokens: int,
-                        capture: bool, compile: bool = False) -> StaticDraftRunner:
+                        capture: bool, compile: bool = False, candidates: int = 1) -> StaticDraftRunner:
     """The draft's runner for this call, reset: the last one when its shape, sampling settings (the draft's
     processors: generate()'s and the proposal temperature) and capacity fit (its graphs are replayed again:
     capturing costs a few eager rounds, a large share of a short generation), else a new one with a fresh context
     cache."""
     key = (rows, int(num_tokens), processors_signature(sampler.logits_processor), do_sample, capture, bool(compile),
-           next(draft.parameters()).data_ptr())  # fmt: skip
+           int(candidates), next(draft.parameters()).data_ptr())  # fmt: skip
     build = lambda cap: StaticDraftRunner(  # noqa: E731
-        draft, draft.new_context_cache(rows, capacity=cap), sampler, num_tokens, capture, compile
+        draft, draft.new_context_cache(rows, capacity=cap), sampler, num_tokens, capture, compile, candidates
     )
     runner = kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.cache.capacity, build)
     runner.reset()

@@ -17,7 +17,9 @@ Every row of the call keeps its slot; rows that finished are masked by `running`
 (token rows, the draft's context cache, positions) and the graph are kept per draft for later calls with the same
 shape, sampling settings and EOS ids (`fused_round_runner`), as the verification runner is kept per target. The
 same function runs eagerly without CUDA (the CPU tests exercise it). Needs position-free logits processors, whole
-blocks (schedule "none") and no per-step scores or logits in the output.
+blocks (schedule "none") and no per-step scores or logits in the output. With k first-slot candidates
+(`dspark_candidates`) the captured function is `_tree_round`: k chains in the window, `verify_candidates`, the
+accepted path committed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from ..sampling import apply_position_free
 from .cuda_graphs import capture as capture_graph, capture_or_uncompiled, captured_or_warned, kept_runner
 from .draft_graphs import StaticDraftRunner, processors_signature
-from .rejection import block_tokens, cut_at_stop, verify_block
+from .rejection import VerifyResult, block_tokens, cut_at_stop, tree_depths, verify_block, verify_candidates
 
 
 class FusedRoundRunner:
@@ -37,15 +39,16 @@ class FusedRoundRunner:
 
     def __init__(self, draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
                  num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False,
-                 verification: str = "block"):
+                 verification: str = "block", candidates: int = 1):
         rows, device = target_runner.rows, target_runner.key_valid.device
         self.rows, self.n, self.width = rows, int(num_tokens), int(num_tokens) + 1
+        self.candidates = int(candidates)  # > 1: rounds verify a tree of k chains (`_tree_round`)
         self.target_runner, self.processors, self.do_sample = target_runner, processors, do_sample
         self.verification = verification
         self.dcache = draft.new_context_cache(rows, capacity=capacity)
         # Its functions (compiled where `compile_draft`) run inside this runner's graph; it captures none itself.
         self.draft_runner = StaticDraftRunner(draft, self.dcache, sampler, num_tokens, capture=False,
-                                              compile=compile_draft)
+                                              compile=compile_draft, candidates=candidates)
         # The draft reads its anchors where the round gathers them, in the verify window: no copy between.
         self.draft_runner.anchor_ids = target_runner.window[:, 0]
         self.copy_next_ids = draft.extends_with_next_tokens  # block drafters ignore them: no copy either
@@ -60,6 +63,8 @@ class FusedRoundRunner:
         self.running = torch.zeros(rows, dtype=torch.bool, device=device)
         self.slot = torch.arange(self.width, device=device)
         self.ahead = self.slot + 1  # the columns of a window's tokens after its anchor
+        self.depth = tree_depths(self.candidates, self.n, device)  # window columns' offsets (a chain: 0..n)
+        self.window_cols = torch.arange(target_runner.width, device=device)
         self.out = torch.zeros(5, rows, **long)
         self.capture = capture and device.type == "cuda"
         self._graph = None
@@ -91,7 +96,8 @@ class FusedRoundRunner:
     def _capture(self) -> None:
         compiled = self.draft_runner.compiled or self.target_runner.compiled
         self._graph, _ = capture_or_uncompiled(
-            "round functions", lambda: capture_graph(self._round, before_warmup=self._idle), compiled, self._uncompile
+            "round functions", lambda: capture_graph(self._tree_round if self.candidates > 1 else self._round,
+                                                     before_warmup=self._idle), compiled, self._uncompile
         )
 
     def _uncompile(self) -> None:
@@ -107,6 +113,8 @@ class FusedRoundRunner:
         synchronization), plus the proposal's confidences [rows, n] on the host (None without a confidence head)."""
         if self._graph is not None:
             self._graph.replay()
+        elif self.candidates > 1:
+            self._tree_round()
         else:
             self._round()
         confidences = None
@@ -173,23 +181,73 @@ class FusedRoundRunner:
         torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
 
 
+    def _tree_round(self) -> None:
+        """`_round` for k first-slot candidates: k chains in the window (the target runner's tree mask),
+        `verify_candidates`, and the accepted path's tokens, features and cache columns committed."""
+        n, k, rows, running = self.n, self.candidates, self.rows, self.running
+        draft, target = self.draft_runner, self.target_runner
+        anchor_cols = self.last_prompt_col + self.lengths
+        torch.gather(self.tokens, 1, anchor_cols[:, None], out=target.window[:, :1])
+        proposal = draft._propose_fn()
+        self._confidences = None
+        chains = proposal.tokens.view(rows, k, n)
+        probs = None if proposal.probs is None else proposal.probs.view(rows, k, n, -1)
+        caps = (self.draft_budget - self.lengths).clamp(min=0, max=n)
+        target.window[:, 1:] = chains.reshape(rows, k * n)
+        torch.add(self.real[:, None], self.depth, out=target.positions)
+        logits, features = target._run()
+        scores = apply_position_free(self.processors, logits) if len(self.processors) else logits
+        result = verify_candidates(scores, chains, probs, caps, self.do_sample, method=self.verification)
+        accepted = result.num_accepted
+        picked = result.chain.clamp(min=0)
+        path = torch.cat([torch.zeros_like(picked)[:, None], 1 + picked[:, None] * n + self.slot[:n]], dim=1)
+        along = torch.cat([target.window[:, :1], chains[torch.arange(rows, device=picked.device), picked]], dim=1)
+        new_tokens = block_tokens(along, VerifyResult(accepted, result.next_tokens))
+        prefix = torch.mul(accepted + 1, running, out=draft.counts)
+        counts = prefix
+        if self.eos is not None:
+            counts, stopped = cut_at_stop(new_tokens, prefix, self.eos)
+        self.tokens.scatter_(1, anchor_cols[:, None] + self.ahead, new_tokens)
+        self.lengths += counts
+        finished = self.lengths > self.draft_budget
+        if self.eos is not None:
+            finished = finished | stopped
+        finished = finished & running
+        continuing = running ^ finished
+        # Window columns the accepted path spans (the anchor, up to its last accepted slot); none where idle.
+        span = (torch.where(accepted > 0, picked * n + accepted, 0) + 1) * running
+        keep = torch.where(continuing.any(), span * continuing, span).amax()
+        on_path = torch.zeros(rows, target.width, dtype=torch.bool, device=picked.device)
+        on_path.scatter_(1, path, self.slot[None, :] < prefix[:, None])
+        committed = on_path & (self.window_cols[None, :] < keep)
+        target.key_valid.scatter_(1, (target.length_t + self.window_cols)[None, :].expand_as(committed), committed)
+        target.length_t += keep
+        self.real += prefix
+        draft.features.copy_(features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])))
+        if self.copy_next_ids:
+            draft.next_ids.copy_(new_tokens)
+        draft._extend_fn()
+        running.copy_(continuing)
+        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
+
+
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> (key, runner)
 
 
 def fused_round_runner(draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
                        num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False,
-                       verification: str = "block") -> FusedRoundRunner:
+                       verification: str = "block", candidates: int = 1) -> FusedRoundRunner:
     """The draft's runner for this call: the last one when everything its graph bakes in matches (`kept_runner`;
     it holds the verification runner it was built with, so that one's id cannot be reused meanwhile), else new."""
     # The target's processors and the draft's (its sampler's: they add the proposal temperature) are both baked in.
     key = (id(target_runner), processors_signature(processors), processors_signature(sampler.logits_processor),
-           do_sample, verification, tuple(eos_ids), int(num_tokens), capture, bool(compile_draft),
+           do_sample, verification, tuple(eos_ids), int(num_tokens), capture, bool(compile_draft), int(candidates),
            next(draft.parameters()).data_ptr())  # fmt: skip
 
     def build(cap: int) -> FusedRoundRunner:
         cap = max(cap, target_runner.capacity)  # calls of one verification shape share the runner
         return FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, cap, capture,
-                                compile_draft, verification)
+                                compile_draft, verification, candidates)
 
     return kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.dcache.capacity, build)
 

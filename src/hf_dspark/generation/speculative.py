@@ -203,9 +203,8 @@ class SpeculativeConfig:
             draft proposes that many chains (DSpark / DFlash: the block's layers run once, the draws repeat), the
             target verifies them in one forward as a tree that branches at the first slot, and recursive rejection
             sampling picks at most one (greedy: the draft's top k first tokens; `rejection.verify_candidates`):
-            lossless, more accepted tokens a round, a verify forward of 1 + k n tokens instead of 1 + n. The draft
-            proposes eagerly (no draft graphs or fused round yet); the target verifies on the static path where it
-            applies (`target_graphs`: its forward a CUDA graph over a tree mask), else on the dynamic cache. Needs
+            lossless, more accepted tokens a round, a verify forward of 1 + k n tokens instead of 1 + n. Every path
+            serves it (dynamic, static draft and target, the fused round: the runners hold the tree's shape). Needs
             whole blocks, position-free logits processors and a target whose attention takes a 4D mask (sdpa,
             eager; no sliding windows); returns no cache.
     """
@@ -391,9 +390,6 @@ def _candidates_unsupported(draft, config: SpeculativeConfig, position_free: boo
     if sliding or impl not in ("sdpa", "eager"):
         return ("the tree's verify forward needs a 4D attention mask: a target with sdpa or eager attention "
                 "(attn_implementation='sdpa') and no sliding-window layers")
-    for name in ("draft_graphs", "fused_round", "compile_draft"):
-        if getattr(config, name) is True:
-            return f"the draft proposes trees eagerly (no draft graphs or fused rounds yet): drop dspark_{name}=True"
     return None
 
 
@@ -600,8 +596,6 @@ class _Decoder:
         if config.compile_draft is True and not self.static_draft:
             raise ValueError("dspark_compile_draft=True compiles the static draft path's functions, but the static "
                              "draft path is not in use (dspark_draft_graphs)")
-        if self.candidates > 1:  # the draft proposes trees eagerly ("auto" settings; explicit ones were refused)
-            self.static_draft = self.capture_graphs = self.fused = self.compile_draft = False
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -775,7 +769,7 @@ class _Decoder:
                     draft, target_runner, self.sampler, self.logits_processor, self.do_sample,
                     tuple(self.eos_ids.tolist()) if self.eos_ids is not None else (), self.num_tokens, capacity,
                     capture=device.type == "cuda", compile_draft=self.compile_draft,
-                    verification=self.config.verification,
+                    verification=self.config.verification, candidates=self.candidates,
                 )
                 fused.reset()
                 dcache = fused.dcache
@@ -783,6 +777,7 @@ class _Decoder:
                 runner = static_draft_runner(
                     draft, len(row_ids), capacity, self.sampler, self.do_sample,
                     self.num_tokens, capture=self.capture_graphs, compile=self.compile_draft,
+                    candidates=self.candidates,
                 )
                 dcache = runner.cache
             else:
@@ -821,7 +816,7 @@ class _Decoder:
                     row_ids = [row_ids[i] for i in keep]
                 if self.candidates > 1:
                     counts, finished, mask, real = self._tree_round(
-                        cache_kw, dcache, hooks, rows_t, row_ids, mask, real, local_t, target_runner
+                        cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t, target_runner
                     )
                     continue
                 counts, finished, mask, real = self._round(
@@ -858,7 +853,7 @@ class _Decoder:
             self.stats.acceptance.add_round(
                 [verify_h[i] for i in running], [accepted_h[i] for i in running],
                 None if confidences is None else confidences[running], committed=counts,
-                requests=[row_ids[i] for i in running],
+                requests=[row_ids[i] for i in running], fed=[1 + self.candidates * verify_h[i] for i in running],
             )  # fmt: skip
             fused.target_runner.kept(keep_h[0])
             if self.streamer is not None and running[0] == 0 and counts[0]:
@@ -992,12 +987,13 @@ class _Decoder:
             self.stats.draft_time += time.perf_counter() - t2
         return counts, finished, mask, real
 
-    def _tree_round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, local_t, target_runner):
+    def _tree_round(self, cache_kw, dcache, hooks, rows_t, row_ids, mask, real, runner, local_t, target_runner):
         """One round with k first-slot candidates (`SpeculativeConfig.candidates`): k chains of n drafts, one
         verify forward over [anchor, chain 1, ..., chain k] with each chain seeing the anchor and its own earlier
         slots (`tree_attention`), `verify_candidates`, then the committed path is packed for the draft and the
         target cache keeps every window column (the other chains' are holes, masked like a shorter row's). On the
-        static path the window always holds whole chains (the runner's tree layout); caps cut what is verified."""
+        static paths the window always holds whole chains (the runners' fixed shapes); caps cut what is verified.
+        (The fused round runs the same steps in `round_graph.FusedRoundRunner._tree_round`.)"""
         model, draft, k = self.model, self.draft, self.candidates
         device = rows_t.device
         n_rows = len(row_ids)
@@ -1007,15 +1003,18 @@ class _Decoder:
         if n == 0:  # the budget allows no draft token: a plain round verifies the anchor alone
             return self._round(cache_kw, dcache, hooks, rows_t, row_ids, mask, real, None, local_t, target_runner)
         caps_max = n
-        if target_runner is not None:
+        if target_runner is not None or runner is not None:
             n = self.num_tokens
         with phase("propose"):
             lengths_t = self.lengths_t[rows_t]
             caps = (self.budget - 1 - lengths_t).clamp(min=0, max=caps_max)
             anchors = self.buffer[rows_t, self.prompt_length + lengths_t - 1]
-            proposal = draft.propose_chains(dcache, anchors, sampler=self.sampler, num_tokens=n, candidates=k)
-            chains = proposal.tokens.view(n_rows, k, n)
-            probs = None if proposal.probs is None else proposal.probs.view(n_rows, k, n, -1)
+            if runner is not None:
+                chains, probs = runner.propose_chains(local_t, anchors)
+            else:
+                proposal = draft.propose_chains(dcache, anchors, sampler=self.sampler, num_tokens=n, candidates=k)
+                chains = proposal.tokens.view(n_rows, k, n)
+                probs = None if proposal.probs is None else proposal.probs.view(n_rows, k, n, -1)
         t1 = time.perf_counter()
         self.stats.draft_time += t1 - t0
 
@@ -1074,8 +1073,11 @@ class _Decoder:
             real = real + accepted + 1
         if continuing:
             with phase("extend"):
-                draft.extend_context(dcache, gather(features), next_token_ids=new_tokens,
-                                     max_committed=max(accepted_h) + 1, counts=accepted + 1)  # fmt: skip
+                if runner is not None:
+                    runner.extend(local_t, gather(features), accepted + 1, new_tokens)
+                else:
+                    draft.extend_context(dcache, gather(features), next_token_ids=new_tokens,
+                                         max_committed=max(accepted_h) + 1, counts=accepted + 1)  # fmt: skip
             self.stats.draft_time += time.perf_counter() - t2
         return counts, finished, mask, real
 
