@@ -5,6 +5,8 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   prompt_lookup transformers' prompt lookup decoding (prompt_lookup_num_tokens; transformers runs it at batch 1 only)
   <draft>       each draft, whole blocks verified
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
+  <draft>+kK    with --candidates K ...: DSpark / DFlash drafts with K first-slot candidates a round, verified as
+                a tree (dspark_candidates=K)
   <draft>/static, /dynamic, /eager, /fused, /compiled, /compiled-draft, /fused-compiled-draft   with
                 --compare-paths: the static verification path in separate graphs with its verify forward uncompiled,
                 the dynamic cache, no CUDA graphs at all, whole rounds as one graph with the draft uncompiled
@@ -100,6 +102,8 @@ def parse_args(argv=None):
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
     parser.add_argument("--prompt-lookup-tokens", type=int, default=10)
     parser.add_argument("--threshold", type=float, default=0.5, help="dspark_threshold of the threshold rows")
+    parser.add_argument("--candidates", type=int, nargs="*", default=[], metavar="K",
+                        help="also time block drafts with K first-slot candidates a round (dspark_candidates)")
     parser.add_argument("--sps-table", default=None, help="SPS table JSON for the prefix rows (default: profile+cache)")
     parser.add_argument("--hf-dflash-draft", default=None, help="transformers-format DFlash draft (hf_dflash row)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -303,6 +307,8 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                         (f"{name}+threshold", {"dspark_schedule": "threshold", "dspark_threshold": args.threshold}),
                         (f"{name}+prefix", {"dspark_schedule": "prefix", **sps}),
                     ]
+                if hasattr(draft, "propose_chains"):
+                    variants += [(f"{name}+k{k}", {"dspark_candidates": k}) for k in args.candidates if k > 1]
                 for label, extra in variants:
                     row = Row(label, batch_size, temperature)
                     try:

@@ -21,7 +21,8 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     out = tmp_path / "speed.json"
     profile = tmp_path / "profile.txt"
     argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "4", "--num-prompts", "4",
-            "--json", str(out), "--profile", str(profile), "--profile-temperature", "1", "--static-target", "--compare-paths"]
+            "--json", str(out), "--profile", str(profile), "--profile-temperature", "1", "--static-target", "--compare-paths",
+            "--candidates", "2"]
     assert generation_speed.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["command"].startswith("generation_speed.py --smoke")
@@ -29,7 +30,8 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     methods = {r["method"] for r in rows}
     assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark/static", "dspark/dynamic", "dspark/eager", "dspark/fused",
             "dspark/compiled", "dspark/compiled-draft", "dspark/fused-compiled-draft", "dspark+threshold",
-            "dspark+prefix", "dflash", "eagle3", "eagle3/compiled-draft"} <= methods
+            "dspark+prefix", "dspark+k2", "dflash", "dflash+k2", "eagle3", "eagle3/compiled-draft"} <= methods
+    assert "eagle3+k2" not in methods  # (a tree of chains needs a block drafter)
     assert result["complete"] is True
     for row in rows:
         assert not row["note"].startswith("failed"), row  # a compared path that errors is reported, not hidden
