@@ -6,7 +6,8 @@
 
 Generation-config fields (generate() keywords or attributes of a GenerationConfig): `dspark_schedule`
 ("none" | "threshold" | "prefix"), `dspark_threshold` (0.5), `dspark_sps_table` (None: profile and cache),
-`dspark_block_size` (or `num_assistant_tokens`); see `SpeculativeConfig`. Modules, in the order a round uses
+`dspark_block_size` (or `num_assistant_tokens`), `dspark_candidates` (1: first-slot candidates a round, verified
+as a tree); see `SpeculativeConfig`. Modules, in the order a round uses
 them: sampling (processed distributions), speculative (the loop), scheduler (verified prefix lengths, SPS
 tables), rejection (the one acceptance routine), stats; calibration fits STS temperatures; cli adds
 `hf-dspark calibrate` and `hf-dspark profile-sps`.
@@ -18,7 +19,7 @@ from .._lazy import lazy_attributes
 _EXPORTS = {
     **dict.fromkeys(["CalibrationReport", "calibrate_confidence"], ".calibration"),
     **dict.fromkeys(["install", "is_installed", "uninstall"], ".integration"),
-    **dict.fromkeys(["VerifyResult", "verify_block"], ".rejection"),
+    **dict.fromkeys(["CandidatesResult", "VerifyResult", "verify_block", "verify_candidates"], ".rejection"),
     **dict.fromkeys(["TokenSampler", "sample_from"], "..sampling"),
     **dict.fromkeys(["SPSTable", "load_or_profile_sps", "prefix_schedule", "profile_sps", "threshold_schedule"], ".scheduler"),
     **dict.fromkeys(["SpeculativeConfig", "check_draft_for_target", "speculative_generate"], ".speculative"),
@@ -31,6 +32,8 @@ __all__ = [
     "sample_from",
     "verify_block",
     "VerifyResult",
+    "verify_candidates",
+    "CandidatesResult",
     "SpeculativeConfig",
     "SpeculativeStats",
     "speculative_generate",
