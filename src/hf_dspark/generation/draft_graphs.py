@@ -114,12 +114,7 @@ class StaticDraftRunner:
 
     def propose(self, local_rows: torch.Tensor, anchors: torch.Tensor, num_tokens: int) -> DraftProposal:
         """Proposals for the running rows (`local_rows`: their slots in this run) after `anchors` [R]."""
-        self.anchor_ids[local_rows] = anchors
-        if self._propose_graph is not None:
-            self._propose_graph.replay()
-            full = self._proposal
-        else:
-            full = self._eager(self._propose_fn, self._run_propose)
+        full = self._propose_all(local_rows, anchors)
         pick = lambda t: None if t is None else t[local_rows, :num_tokens]  # noqa: E731
         return DraftProposal(
             tokens=pick(full.tokens),
@@ -130,15 +125,19 @@ class StaticDraftRunner:
 
     def propose_chains(self, local_rows: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The running rows' k chains after `anchors` [R]: tokens [R, k, n] and, when sampling, probs [R, k, n, V]."""
-        self.anchor_ids[local_rows] = anchors
-        if self._propose_graph is not None:
-            self._propose_graph.replay()
-            full = self._proposal
-        else:
-            full = self._eager(self._propose_fn, self._run_propose)
+        full = self._propose_all(local_rows, anchors)
         rows, k = self.anchor_ids.shape[0], self.candidates
         tokens = full.tokens.view(rows, k, self.num_tokens)[local_rows]
         return tokens, None if full.probs is None else full.probs.view(rows, k, self.num_tokens, -1)[local_rows]
+
+    def _propose_all(self, local_rows: torch.Tensor, anchors: torch.Tensor) -> DraftProposal:
+        """The proposal for every slot of the run (the captured one's buffers when replayed), after loading the
+        running rows' anchors."""
+        self.anchor_ids[local_rows] = anchors
+        if self._propose_graph is not None:
+            self._propose_graph.replay()
+            return self._proposal
+        return self._eager(self._propose_fn, self._run_propose)
 
     def extend(self, local_rows: torch.Tensor, features: torch.Tensor, counts: torch.Tensor, next_ids: torch.Tensor):
         """Append the first `counts` [R] of the positions `features` [R, w] (w <= num_tokens + 1) of the running

@@ -135,7 +135,7 @@ class FusedRoundRunner:
     # -- the captured function ------------------------------------------------------------------------------
 
     def _round(self) -> None:
-        n, slot, running = self.n, self.slot, self.running
+        n, slot = self.n, self.slot
         draft, target = self.draft_runner, self.target_runner
         anchor_cols = self.last_prompt_col + self.lengths  # each row's last committed token
         # Into the verify window's first column, which is also the draft's anchor buffer (see __init__).
@@ -153,31 +153,13 @@ class FusedRoundRunner:
         result = verify_block(scores, drafts, proposal.probs, caps, self.do_sample, method=self.verification)
         accepted = result.num_accepted
         new_tokens = block_tokens(window, result)
-        # Each running row commits a prefix of its window (accepted drafts + the new token; none where idle): the
-        # draft's context extends by these counts whatever EOS cuts, as the target's cache keeps them.
-        prefix = torch.mul(accepted + 1, running, out=draft.counts)
-        counts = prefix
-        if self.eos is not None:
-            counts, stopped = cut_at_stop(new_tokens, prefix, self.eos)
-        # Every column is written; those past a row's count lie beyond its length, where nothing reads them.
-        self.tokens.scatter_(1, anchor_cols[:, None] + self.ahead, new_tokens)
-        self.lengths += counts
-        finished = self.lengths > self.draft_budget  # the token budget is spent
-        if self.eos is not None:
-            finished = finished | stopped
-        finished = finished & running
-        continuing = running ^ finished  # (finished rows are running ones)
+        prefix, counts, finished, continuing = self._commit_tokens(anchor_cols, new_tokens, accepted)
         # The verification cache keeps the longest committed prefix among continuing rows (else among all).
         keep = torch.where(continuing.any(), prefix * continuing, prefix).amax()
         committed = slot[None, :] < prefix.clamp(max=keep)[:, None]
         target.key_valid.scatter_(1, (target.length_t + slot)[None, :].expand_as(committed), committed)
         target.length_t += keep
-        self.real += prefix
-        draft.features.copy_(features)
-        if self.copy_next_ids:
-            draft.next_ids.copy_(new_tokens)
-        draft._extend_fn()
-        running.copy_(continuing)
+        self._advance(prefix, features, new_tokens, continuing)
         torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
 
 
@@ -203,17 +185,7 @@ class FusedRoundRunner:
         path = torch.cat([torch.zeros_like(picked)[:, None], 1 + picked[:, None] * n + self.slot[:n]], dim=1)
         along = torch.cat([target.window[:, :1], chains[torch.arange(rows, device=picked.device), picked]], dim=1)
         new_tokens = block_tokens(along, VerifyResult(accepted, result.next_tokens))
-        prefix = torch.mul(accepted + 1, running, out=draft.counts)
-        counts = prefix
-        if self.eos is not None:
-            counts, stopped = cut_at_stop(new_tokens, prefix, self.eos)
-        self.tokens.scatter_(1, anchor_cols[:, None] + self.ahead, new_tokens)
-        self.lengths += counts
-        finished = self.lengths > self.draft_budget
-        if self.eos is not None:
-            finished = finished | stopped
-        finished = finished & running
-        continuing = running ^ finished
+        prefix, counts, finished, continuing = self._commit_tokens(anchor_cols, new_tokens, accepted)
         # Window columns the accepted path spans (the anchor, up to its last accepted slot); none where idle.
         span = (torch.where(accepted > 0, picked * n + accepted, 0) + 1) * running
         keep = torch.where(continuing.any(), span * continuing, span).amax()
@@ -222,13 +194,44 @@ class FusedRoundRunner:
         committed = on_path & (self.window_cols[None, :] < keep)
         target.key_valid.scatter_(1, (target.length_t + self.window_cols)[None, :].expand_as(committed), committed)
         target.length_t += keep
+        path_features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
+        self._advance(prefix, path_features, new_tokens, continuing)
+        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
+
+    # -- the two rounds' shared steps -----------------------------------------------------------------------
+
+    def _commit_tokens(self, anchor_cols: torch.Tensor, new_tokens: torch.Tensor, accepted: torch.Tensor):
+        """Write each row's `new_tokens` [rows, n + 1] (its accepted drafts, then the new token) after its anchor and
+        advance its length; returns the committed prefixes, the counts kept after EOS, and the rows that finished
+        and those that continue."""
+        running = self.running
+        # Each running row commits a prefix of its window (none where idle): the draft's context extends by these
+        # counts whatever EOS cuts, as the target's cache keeps them.
+        prefix = torch.mul(accepted + 1, running, out=self.draft_runner.counts)
+        counts = prefix
+        if self.eos is not None:
+            counts, stopped = cut_at_stop(new_tokens, prefix, self.eos)
+        # Every column is written; those past a row's count lie beyond its length, where nothing reads them.
+        self.tokens.scatter_(1, anchor_cols[:, None] + self.ahead, new_tokens)
+        self.lengths += counts
+        finished = self.lengths > self.draft_budget  # the token budget is spent
+        if self.eos is not None:
+            finished = finished | stopped
+        finished = finished & running
+        continuing = running ^ finished  # (finished rows are running ones)
+        return prefix, counts, finished, continuing
+
+    def _advance(self, prefix: torch.Tensor, features: torch.Tensor, new_tokens: torch.Tensor,
+                 continuing: torch.Tensor) -> None:
+        """After the verification cache's commit: target positions advance by the committed prefixes, the draft's
+        context extends by them (`features` [rows, n + 1, F]: the committed path's), and finished rows stop."""
+        draft = self.draft_runner
         self.real += prefix
-        draft.features.copy_(features.gather(1, path[..., None].expand(-1, -1, features.shape[-1])))
+        draft.features.copy_(features)
         if self.copy_next_ids:
             draft.next_ids.copy_(new_tokens)
         draft._extend_fn()
-        running.copy_(continuing)
-        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
+        self.running.copy_(continuing)
 
 
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> (key, runner)
