@@ -1,7 +1,7 @@
 """Compare `hf-dspark eval` runs of the same prompts and settings that differ in one decoding option.
 
 Each run is LABEL=PATH (an eval's results.json or its output folder); the first is the reference. For every
-temperature the script reports, per run: mean τ, the paired difference in mean τ against the reference (bootstrap
+temperature the runs share, the script reports, per run: mean τ, the paired difference in mean τ against the reference (bootstrap
 over the same prompts, `hf_dspark.metrics.tau_difference_interval`), verification rounds, *batch rounds* (a batch
 steps until its slowest row is done, so its wall time follows the most rounds any of its rows needed, summed over
 batches), milliseconds per batch round after the prefill, and tokens per second. More τ shortens the run only as
@@ -26,8 +26,9 @@ from pathlib import Path
 from hf_dspark.evaluation.report import per_prompt_counts
 from hf_dspark.metrics import tau_difference_interval
 
-# Settings that must agree for the per-prompt counts of two runs to pair up.
-PAIRED_SETTINGS = ("datasets", "num_prompts", "max_new_tokens", "temperatures", "top_k", "top_p", "batch_size", "seed")
+# Settings that must agree for the per-prompt counts of two runs to pair up. Temperatures need not: a batch's seed
+# is seed + its index within its dataset whatever the temperatures, so the ones all runs hold pair up.
+PAIRED_SETTINGS = ("datasets", "num_prompts", "max_new_tokens", "top_k", "top_p", "batch_size", "seed")
 
 
 def load_run(spec: str) -> tuple[str, dict]:
@@ -52,6 +53,15 @@ def check_paired(runs: dict[str, dict]) -> None:
             if a != b:
                 raise ValueError(f"runs {first!r} and {label!r} differ in {key} ({a} vs {b}): their prompts do not "
                                  "pair up; rerun one with the other's settings")  # fmt: skip
+    if not shared_temperatures(runs):
+        temps = {label: run["settings"].get("temperatures") for label, run in runs.items()}
+        raise ValueError(f"the runs share no temperature ({temps}): rerun one at a temperature of the other")
+
+
+def shared_temperatures(runs: dict[str, dict]) -> list[float]:
+    """The temperatures every run decoded, in the reference's order."""
+    first, *others = (run["settings"].get("temperatures") or [] for run in runs.values())
+    return [t for t in first if all(t in temps for temps in others)]
 
 
 def batch_rounds(rounds: list[int], batch_size: int) -> int:
@@ -101,7 +111,7 @@ def compare(runs: dict[str, dict], drafter: str | list[str] | None = None) -> di
                          f"{len(runs)} runs")  # fmt: skip
     rows = {label: draft_rows(run, name) for (label, run), name in zip(runs.items(), drafters)}
     out = {}
-    for temp in runs[reference]["settings"]["temperatures"]:
+    for temp in shared_temperatures(runs):
         at = {label: sorted((r for r in rs if r["temperature"] == temp), key=lambda r: r["dataset"])
               for label, rs in rows.items()}  # fmt: skip
         table = {label: summarize(rs, batch_size) for label, rs in at.items()}

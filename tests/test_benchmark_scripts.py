@@ -308,6 +308,13 @@ def test_compare_evals_pairs_prompts_and_counts_each_batch_by_its_slowest_row(tm
     assert table["block"]["mean_tau"] == pytest.approx(32 / 12)
     assert table["block"]["mean_tau_ratio"] == pytest.approx(4 / 3)
     assert table["block"]["tau_vs_reference"]["difference"] == pytest.approx(32 / 12 - 2)
+    # A run that also decoded greedily pairs on the temperature both hold (batch seeds do not depend on the list).
+    both = _eval_run(tmp_path / "both", [4, 4, 4, 4], [8, 8, 8, 8], wall=0.9, temperatures=[0.0, 1.0])
+    assert compare.main([f"both={both}", f"block={block}", "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["temperatures"]) == ["1"]
+    greedy = _eval_run(tmp_path / "greedy", [4, 4, 4, 4], [8, 8, 8, 8], wall=0.9, temperatures=[0.0])
+    with pytest.raises(ValueError, match="share no temperature"):
+        compare.main([f"greedy={greedy}", f"block={block}"])
     other = _eval_run(tmp_path / "other", [4, 4, 4, 4], [8, 8, 8, 8], wall=0.9, batch_size=4)
     with pytest.raises(ValueError, match="differ in batch_size"):
         compare.main([f"token={token}", f"other={other}"])
