@@ -89,13 +89,13 @@ class OracleProposer:
     def new_context_cache(self, batch_size, capacity=256):
         cache = self._new_cache(batch_size, capacity)
         # Row identities survive `cache.select` (it filters tensors in `state`); row-by-row runs come in order.
-        cache.state["row_ids"] = torch.arange(self.offset, self.offset + batch_size)
+        cache.state["row_ids"] = torch.arange(self.offset, self.offset + batch_size, device=cache.lengths.device)
         self.offset += batch_size
         return cache
 
     def propose(self, cache, anchor_ids, *, sampler=None, num_tokens=None, input_ids=None, draft_tokens=None,
                 return_logits=True):
-        rows = cache.state["row_ids"]
+        rows = cache.state["row_ids"].cpu()  # (the reference lives on the CPU; the draft may be on a GPU)
         generated = cache.lengths.cpu() - self.real_prompt[rows] + 1  # tokens generated so far, incl. the anchor
         cols = self.prompt_length + generated[:, None] + torch.arange(num_tokens)
         cols = cols.clamp(max=self.reference.shape[1] - 1)
@@ -103,8 +103,9 @@ class OracleProposer:
         vocab = self.draft.config.vocab_size
         flip = torch.rand(tokens.shape, generator=self.generator) < self.corrupt
         tokens[flip] = torch.randint(0, vocab, (int(flip.sum()),), generator=self.generator)
+        tokens = tokens.to(anchor_ids.device)
         probs = torch.nn.functional.one_hot(tokens, vocab).float()
-        conf = torch.full(tokens.shape, 0.9)
+        conf = torch.full(tokens.shape, 0.9, device=tokens.device)
         return DraftProposal(tokens=tokens, probs=probs, logits=probs.log(), confidences=conf, confidence_logits=conf)
 
     def propose_chains(self, cache, anchor_ids, *, sampler=None, num_tokens, candidates):

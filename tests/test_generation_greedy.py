@@ -127,6 +127,25 @@ def test_greedy_with_first_slot_candidates_matches_target_generate(drafter, cand
     assert bool(verified) == (path == "static-target") and bool(compacted) == (path in ("static-target", "fused"))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA (on CPU every path runs eagerly)")
+@pytest.mark.parametrize("path", list(PATHS))
+def test_first_slot_candidates_under_cuda_graphs_match_target_generate(path):
+    """On a GPU the static draft runner, the static verification cache and the fused round are captured graphs:
+    trees of chains replayed through them still commit the target's greedy tokens (the draft's own chains and
+    oracle chains that accept long, different paths)."""
+    target = _target("llama", "sdpa").cuda()
+    ids, mask = (t.cuda() for t in _batch())
+    kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False)
+    expected = target.generate(ids, **kw)
+    for oracle in (False, True):
+        draft = make_draft("dspark", target, block_size=5).cuda()
+        if oracle:
+            OracleProposer(draft, expected.cpu(), mask.cpu(), corrupt=0.4)
+        out = target.generate(ids, assistant_model=draft, dspark_candidates=3, **PATHS[path], **kw)
+        assert torch.equal(out, expected), (path, oracle)
+    assert draft.last_generation_stats.tau > 1.5
+
+
 def test_first_slot_candidates_return_the_scores_and_logits_of_the_committed_path():
     target = make_tiny_target("qwen3")
     draft = make_draft("dspark", target, block_size=4)
