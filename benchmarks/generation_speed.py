@@ -126,8 +126,8 @@ def parse_args(argv=None):
                         "layers and block 7, at tiny widths: with --profile, a round's host operators against a "
                         "target step's as the real model launches them")
     parser.add_argument("--profile", default=None, metavar="FILE",
-                        help="after the timings, profile one call of the target alone and of the first draft at the "
-                        "largest batch size (torch.profiler operator tables) into FILE")
+                        help="after the timings, profile one call of the target alone and of the first draft (also "
+                        "with each --candidates K) at the largest batch size (torch.profiler operator tables) into FILE")
     parser.add_argument("--profile-temperature", type=float, default=0.0, help="temperature of the profiled calls")
     return parser.parse_args(argv)
 
@@ -431,7 +431,8 @@ def hf_dflash_row(target, prompts, batch_size, temperature, args, pad_id, eos_id
 
 def profile_calls(args, setup) -> None:
     """Operator tables (CPU and GPU kernel time, call counts) of one generate() call of the target alone and one with
-    the first draft: where a round's time goes, and how many operators it launches per committed token."""
+    the first draft (and one with each --candidates K, for a block draft): where a round's time goes, and how many
+    operators it launches per committed token."""
     from torch.profiler import ProfilerActivity, profile
 
     from hf_dspark.data.prompts import left_pad
@@ -444,8 +445,11 @@ def profile_calls(args, setup) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     sections, step_ops = [], None
-    for name, draft in [("target alone", None), *list(drafts.items())[:1]]:
-        kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
+    calls = [("target alone", None, {}), *((name, draft, {}) for name, draft in list(drafts.items())[:1])]
+    if calls[1:] and hasattr(calls[1][1], "propose_chains"):  # and with each --candidates K: where a tree round's time goes
+        calls += [(f"{calls[1][0]}+k{k}", calls[1][1], {"dspark_candidates": k}) for k in args.candidates if k > 1]
+    for name, draft, extra in calls:
+        kwargs = dict(max_new_tokens=args.max_new_tokens, pad_token_id=pad_id, **extra)
         if args.profile_temperature > 0:
             kwargs.update(do_sample=True, temperature=args.profile_temperature, top_k=0, top_p=1.0)
         else:

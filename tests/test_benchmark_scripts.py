@@ -58,6 +58,9 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
         assert row["ms_per_step"] == pytest.approx(1e3 * row["seconds"] / steps, rel=1e-6), row
     text = profile.read_text()
     assert "per new token" in text
+    assert [line.split(":")[0] for line in text.splitlines() if line.startswith("## ")] == \
+        ["## target alone", "## dspark", "## dspark+k2"]  # the first draft, also with the tree round
+    text = text.split("## dspark+k2")[0]
     # The draft's call: operators per round in each phase of the decoding loop, every phase present.
     lines = [line for line in text.split("by phase of the round")[1].splitlines()[3:] if line.startswith("|")]
     phases = {cells[0]: [float(c) for c in cells[1:]] for cells in (line.strip("| ").split(" | ") for line in lines)}

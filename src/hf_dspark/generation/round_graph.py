@@ -162,7 +162,6 @@ class FusedRoundRunner:
         self._advance(prefix, features, new_tokens, continuing)
         torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
 
-
     def _tree_round(self) -> None:
         """`_round` for k first-slot candidates: k chains in the window (the target runner's tree mask),
         `verify_candidates`, and the accepted path's tokens, features and cache columns committed."""
