@@ -8,7 +8,8 @@ measures what that gives on real text from the distributions alone, without deco
 
 The target answers the evaluation prompts alone (at --temperature, as `hf-dspark eval` decodes them; greedy at 0),
 then every answer position anchors a teacher-forced block of the draft (DSpark or DFlash). Per block and slot it
-computes from the two distributions: k = 1..C candidates' first-slot acceptance (`metrics.multi_candidate_acceptance`;
+computes from the two distributions: k = 1..C candidates' first-slot acceptance (`metrics.multi_candidate_acceptance`,
+for candidates drawn independently and, rows marked "distinct", without replacement as generate() draws them;
 greedily, the target's argmax among the draft's top k: `metrics.top_candidates_match`) and each later slot's own
 acceptance, and from them τ of a round with k candidates (`metrics.branched_tau`; k = 1 is the training estimate
 τ_prob). All-anchor means: decoding's τ is lower (rounds start more often where the draft fails), so read the ratio
@@ -41,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy (default: 0 1)")
     p.add_argument("--candidates", type=int, default=4, help="largest number of first-slot candidates (default 4)")
+    p.add_argument("--distinct_samples", type=int, default=32,
+                   help="at T > 0 also the chances for candidates drawn without replacement (as generate() draws "
+                   "them), averaged over this many draws per position (0: skip)")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--anchor_chunk", type=int, default=64, help="anchors whose distributions are held at once")
     p.add_argument("--seed", type=int, default=0)
@@ -74,14 +78,21 @@ def target_answers(target, tokenizer, prompts, temperature, max_new_tokens, batc
 
 
 @torch.no_grad()
-def score_blocks(draft, target, pairs, temperature, candidates, batch_size, anchor_chunk, pad_id) -> dict:
-    """Sums over every answer position's block: first-slot acceptance by k, τ by k, blocks, per-slot acceptance."""
+def score_blocks(draft, target, pairs, temperature, candidates, batch_size, anchor_chunk, pad_id,
+                 distinct_samples=0, seed=0) -> dict:
+    """Sums over every answer position's block: first-slot acceptance by k, τ by k, blocks, per-slot acceptance;
+    at T > 0 with `distinct_samples`, also first-slot acceptance and τ by k for candidates drawn without
+    replacement ("first_distinct", "tau_distinct")."""
     from hf_dspark.metrics import branched_tau, multi_candidate_acceptance, top_candidates_match
     from hf_dspark.models.anchors import covering_anchor_passes
     from hf_dspark.target import target_features
 
     device = next(draft.parameters()).device
     sums = {"first": torch.zeros(candidates), "tau": torch.zeros(candidates), "blocks": 0.0}
+    distinct = temperature > 0 and distinct_samples > 0
+    if distinct:
+        sums.update(first_distinct=torch.zeros(candidates), tau_distinct=torch.zeros(candidates))
+        generator = torch.Generator(device=device).manual_seed(seed)
     for start in range(0, len(pairs), batch_size):
         rows = [p + a for p, a in pairs[start : start + batch_size]]
         width = max(len(r) for r in rows)
@@ -118,6 +129,11 @@ def score_blocks(draft, target, pairs, temperature, candidates, batch_size, anch
                 valid_first = mask[..., 0].float()[..., None]
                 sums["first"] += (first * valid_first).reshape(-1, candidates).sum(0).cpu()
                 sums["tau"] += branched_tau(first, accept, mask).cpu() * blocks
+                if distinct:
+                    first = multi_candidate_acceptance(p[..., 0, :], q[..., 0, :], candidates, replacement=False,
+                                                       samples=distinct_samples, generator=generator)  # fmt: skip
+                    sums["first_distinct"] += (first * valid_first).reshape(-1, candidates).sum(0).cpu()
+                    sums["tau_distinct"] += branched_tau(first, accept, mask).cpu() * blocks
                 sums["blocks"] += blocks
                 slot_sum = (accept * mask).reshape(-1, K).sum(0).cpu()
                 slot_count = mask.float().reshape(-1, K).sum(0).cpu()
@@ -145,15 +161,20 @@ def main(argv=None) -> int:
             pairs = target_answers(target, tokenizer, prompts, temperature, args.max_new_tokens, args.batch_size,
                                    args.seed)  # fmt: skip
             sums = score_blocks(draft, target, pairs, temperature, args.candidates, args.batch_size,
-                                args.anchor_chunk, tokenizer.pad_token_id)  # fmt: skip
+                                args.anchor_chunk, tokenizer.pad_token_id, args.distinct_samples, args.seed)  # fmt: skip
             blocks = max(sums["blocks"], 1.0)
             slot_count = sums["slot_count"].clamp(min=1)
+            distinct = {}
+            if "first_distinct" in sums:  # candidates drawn without replacement, as generate() draws them
+                distinct = {"first_slot_by_candidates_distinct": (sums["first_distinct"] / blocks).tolist(),
+                            "tau_by_candidates_distinct": (sums["tau_distinct"] / blocks).tolist()}  # fmt: skip
             report["rows"].append({
                 "dataset": dataset_name(path), "temperature": temperature, "answers": len(pairs),
                 "blocks": int(sums["blocks"]),
                 "first_slot_by_candidates": (sums["first"] / blocks).tolist(),
                 "tau_by_candidates": (sums["tau"] / blocks).tolist(),
                 "accept_by_slot": (sums["slot_sum"] / slot_count).tolist(),
+                **distinct,
                 "seconds": round(time.perf_counter() - start, 1),
             })  # fmt: skip
             write_report(report, args.json)
@@ -166,17 +187,21 @@ def print_table(report: dict, candidates: int, draft_tokens: int) -> None:
     head += [f"tau@{k}" for k in range(1, candidates + 1)] + [f"tau@{candidates}/tau@1"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    by_t: dict[float, list] = {}
+    by_t: dict[tuple, list] = {}
     for row in report["rows"]:
-        by_t.setdefault(row["temperature"], []).append(row)
-        cells = [f"{row['temperature']:g}", row["dataset"], str(row["blocks"])]
-        cells += [f"{v:.3f}" for v in row["first_slot_by_candidates"]] + [f"{v:.3f}" for v in row["tau_by_candidates"]]
-        cells.append(f"{row['tau_by_candidates'][-1] / row['tau_by_candidates'][0]:.3f}")
-        print("| " + " | ".join(cells) + " |")
-    for t, rows in by_t.items():  # the mean over sets, as hf-dspark eval reports τ
-        tau = [sum(r["tau_by_candidates"][k] for r in rows) / len(rows) for k in range(candidates)]
-        first = [sum(r["first_slot_by_candidates"][k] for r in rows) / len(rows) for k in range(candidates)]
-        cells = [f"{t:g}", "mean", ""] + [f"{v:.3f}" for v in first] + [f"{v:.3f}" for v in tau]
+        # Independent candidates, then (T > 0) distinct ones: the draws generate() makes.
+        for kind, suffix in (("", ""), (" (distinct)", "_distinct")):
+            if f"tau_by_candidates{suffix}" not in row:
+                continue
+            first, tau = row[f"first_slot_by_candidates{suffix}"], row[f"tau_by_candidates{suffix}"]
+            by_t.setdefault((row["temperature"], kind), []).append((first, tau))
+            cells = [f"{row['temperature']:g}", row["dataset"] + kind, str(row["blocks"])]
+            cells += [f"{v:.3f}" for v in first] + [f"{v:.3f}" for v in tau] + [f"{tau[-1] / tau[0]:.3f}"]
+            print("| " + " | ".join(cells) + " |")
+    for (t, kind), rows in by_t.items():  # the mean over sets, as hf-dspark eval reports τ
+        first = [sum(r[0][k] for r in rows) / len(rows) for k in range(candidates)]
+        tau = [sum(r[1][k] for r in rows) / len(rows) for k in range(candidates)]
+        cells = [f"{t:g}", "mean" + kind, ""] + [f"{v:.3f}" for v in first] + [f"{v:.3f}" for v in tau]
         print("| " + " | ".join(cells + [f"{tau[-1] / tau[0]:.3f}"]) + " |")
     print(f"(a round with k chains of {draft_tokens} drafts verifies 1 + {draft_tokens}k tokens)")
 

@@ -360,10 +360,17 @@ def test_multi_candidate_one_candidate_is_the_trainers_teacher_forced_tau(temper
         answers = [target.generate(torch.tensor([p]), max_new_tokens=14, do_sample=True, pad_token_id=0)[0, len(p):]
                    .tolist() for p in prompts]  # fmt: skip
     pairs = list(zip(prompts, answers))
-    sums = script.score_blocks(draft, target, pairs, temperature, 3, batch_size=2, anchor_chunk=3, pad_id=0)
+    sums = script.score_blocks(draft, target, pairs, temperature, 3, batch_size=2, anchor_chunk=3, pad_id=0,
+                               distinct_samples=64)  # fmt: skip
     expected = teacher_forced_estimates(draft, target, prompts, answers, batch_size=2)
     tau = sums["tau"] / sums["blocks"]
     assert tau[0].item() == pytest.approx(expected["tau_greedy" if temperature == 0 else "tau_prob"], rel=1e-4)
     first = sums["first"] / sums["blocks"]
     assert bool((first[1:] >= first[:-1]).all()) and bool((tau[1:] >= tau[:-1]).all())
     assert sums["blocks"] == sum(len(a) - 1 for a in answers)  # every answer position but the last anchors a block
+    if temperature > 0:  # distinct candidates (as generate() draws them): one is the same draft, more gain more
+        distinct = sums["first_distinct"] / sums["blocks"]
+        assert distinct[0].item() == pytest.approx(first[0].item(), abs=0.02)
+        assert bool((distinct[1:] >= first[1:] - 0.01).all())
+    else:
+        assert "first_distinct" not in sums  # greedy candidates are the top k: distinct already

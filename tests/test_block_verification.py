@@ -23,6 +23,7 @@ from generation_utils import chi_square_test
 
 from hf_dspark.generation import spare_mass as spare_module
 from hf_dspark.generation.rejection import tree_attention, tree_depths, verify_block, verify_candidates
+from hf_dspark.sampling import sample_without_replacement
 from hf_dspark.generation.spare_mass import spare_mass, torch_spare_mass
 
 V, N = 3, 3  # vocabulary, draft slots per round
@@ -160,13 +161,19 @@ def test_verify_block_samples_the_exact_round_law(method, cap):
         assert p_wrong < P_MIN
 
 
-def _sample_tree_rounds(target, draft, k, method, seed, rows=30_000, wrong_first_q=False):
-    """Rounds of `verify_candidates` with k chains drawn independently from the draft, each round's output
-    (committed tokens) continued by the target itself to N + 1 tokens. Caps vary as a token budget cuts them."""
+def _sample_tree_rounds(target, draft, k, method, seed, rows=30_000, wrong_first_q=False, replacement=False,
+                        verify_replacement=None):
+    """Rounds of `verify_candidates` with k chains drawn from the draft (first tokens without replacement, or
+    independently), each round's output (committed tokens) continued by the target itself to N + 1 tokens. Caps
+    vary as a token budget cuts them. `verify_replacement`: what the verifier is told (default: the truth)."""
     g = torch.Generator().manual_seed(seed)
     drafts = torch.zeros(rows, k, N, dtype=torch.long)
+    if not replacement:
+        drafts[:, :, 0] = sample_without_replacement(draft[()].float().expand(rows, V), k, generator=g)
     for c in range(k):
         for j in range(N):
+            if j == 0 and not replacement:
+                continue
             probs = torch.stack([draft[tuple(r[:j])] for r in drafts[:, c].tolist()]) if j else draft[()].expand(rows, V)
             drafts[:, c, j] = torch.multinomial(probs.float(), 1, generator=g).squeeze(1)
     chains = [[tuple(r) for r in drafts[:, c].tolist()] for c in range(k)]
@@ -181,7 +188,9 @@ def _sample_tree_rounds(target, draft, k, method, seed, rows=30_000, wrong_first
     used_q = q.clone()
     if wrong_first_q:  # a caller that hands over another first-slot distribution than the one drawn from
         used_q[:, :, 0] = target[()].float()
-    result = verify_candidates(scores, drafts, used_q, caps, do_sample=True, generator=g, method=method)
+    told = replacement if verify_replacement is None else verify_replacement
+    result = verify_candidates(scores, drafts, used_q, caps, do_sample=True, generator=g, method=method,
+                               replacement=told)  # fmt: skip
     out = []
     for row, (chain, a, y) in enumerate(zip(result.chain.tolist(), result.num_accepted.tolist(),
                                             result.next_tokens.tolist())):  # fmt: skip
@@ -192,18 +201,55 @@ def _sample_tree_rounds(target, draft, k, method, seed, rows=30_000, wrong_first
     return out, result
 
 
+@pytest.mark.parametrize("replacement", [False, True], ids=["distinct", "independent"])
 @pytest.mark.parametrize("method", ["token", "block"])
 @pytest.mark.parametrize("k", [2, 3])
-def test_verify_candidates_is_lossless(k, method):
+def test_verify_candidates_is_lossless(k, method, replacement):
     """Recursive rejection sampling over the first slot, then the chosen chain verified: continued by the target,
     each round's output follows the target's own law; every outcome (each chain, none) occurs."""
     target, draft = _tables(0)
-    samples, result = _sample_tree_rounds(target, draft, k, method, seed=k)
+    samples, result = _sample_tree_rounds(target, draft, k, method, seed=k, replacement=replacement)
     _, _, p_value = chi_square_test(samples, _target_law(target, (), N + 1))
     assert p_value > P_MIN
-    assert set(result.chain.tolist()) == set(range(-1, k))
-    wrong, _ = _sample_tree_rounds(target, draft, k, method, seed=k, wrong_first_q=True)
+    assert set(result.chain.tolist()) == set(range(-1, k))  # (-1 also where a row's cap is 0)
+    wrong, _ = _sample_tree_rounds(target, draft, k, method, seed=k, wrong_first_q=True, replacement=replacement)
     assert chi_square_test(wrong, _target_law(target, (), N + 1))[2] < P_MIN  # the statistic sees a wrong q
+
+
+def _first_slot_rounds(p, q, k, distinct: bool, told_replacement: bool, rows=40_000, seed=0):
+    """One-slot chains: the committed token of each row and whether a candidate was accepted."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = p.shape[0]
+    if distinct:
+        first = sample_without_replacement(q.expand(rows, vocab), k, generator=g)
+    else:
+        first = torch.multinomial(q.expand(rows, vocab), k, replacement=True, generator=g)
+    scores = torch.zeros(rows, 1 + k, vocab)
+    scores[:, 0] = p.log()
+    result = verify_candidates(scores, first[:, :, None], q.expand(rows, k, 1, vocab), torch.ones(rows, dtype=torch.long),
+                               True, generator=g, replacement=told_replacement)  # fmt: skip
+    found = result.chain >= 0
+    tokens = torch.where(found, first[torch.arange(rows), result.chain.clamp(min=0)], result.next_tokens)
+    return [(t,) for t in tokens.tolist()], found.float().mean().item()
+
+
+def test_distinct_first_tokens_keep_the_law_and_are_accepted_more_often():
+    """A draft sure of the wrong token: independent candidates mostly repeat it (a repeat of a rejected token is
+    never accepted), distinct ones try the others. Both keep p when the verifier knows how they were drawn; distinct
+    draws verified as independent ones would not (the test can tell)."""
+    p = torch.tensor([0.1, 0.45, 0.3, 0.15])
+    q = torch.tensor([0.85, 0.05, 0.05, 0.05])
+    law = {(v,): float(p[v]) for v in range(4)}
+    distinct, distinct_rate = _first_slot_rounds(p, q, 2, distinct=True, told_replacement=False)
+    independent, independent_rate = _first_slot_rounds(p, q, 2, distinct=False, told_replacement=True)
+    assert chi_square_test(distinct, law)[2] > P_MIN and chi_square_test(independent, law)[2] > P_MIN
+    assert distinct_rate > independent_rate + 0.3  # about 0.85 against 0.36 here
+    wrong, _ = _first_slot_rounds(p, q, 2, distinct=True, told_replacement=True)
+    assert chi_square_test(wrong, law)[2] < P_MIN
+    # Fewer tokens in q's support than candidates: the candidates past it were no draw and are never accepted.
+    narrow = torch.tensor([0.0, 0.0, 0.7, 0.3])
+    samples, _ = _first_slot_rounds(p, narrow, 3, distinct=True, told_replacement=False, rows=20_000)
+    assert chi_square_test(samples, law)[2] > P_MIN
 
 
 def test_verify_candidates_greedy_takes_the_candidate_equal_to_the_argmax():

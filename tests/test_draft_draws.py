@@ -29,6 +29,21 @@ def test_sample_from_draws_what_torch_multinomial_draws():
         assert (probs.gather(1, ours[:, None]) > 0).all()
 
 
+def test_sample_without_replacement_draws_in_order_from_what_is_left():
+    """The law of ordered pairs drawn without replacement: P(a, b) = p_a p_b / (1 - p_a), b != a."""
+    from generation_utils import chi_square_test
+
+    from hf_dspark.sampling import sample_without_replacement
+
+    p = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    pairs = sample_without_replacement(p.expand(30_000, 5), 2, torch.Generator().manual_seed(0))
+    law = {(a, b): float(p[a] * p[b] / (1 - p[a])) for a in range(5) for b in range(5) if a != b and p[a] * p[b] > 0}
+    assert chi_square_test([tuple(r) for r in pairs.tolist()], law)[2] > 1e-4
+    assert (pairs[:, 0] != pairs[:, 1]).all()
+    with pytest.raises(ValueError, match="between 1 and the vocabulary"):
+        sample_without_replacement(p[None], 6)
+
+
 @pytest.fixture(scope="module")
 def target():
     return make_tiny_target("llama", vocab_size=96)
@@ -75,8 +90,8 @@ def _context(target, draft, rows=4):
 
 @pytest.mark.parametrize("drafter", ["dspark", "dflash"])
 def test_chains_share_the_first_slot_distribution_and_each_follows_its_own_first_token(target, drafter):
-    """propose_chains: sampled chains are independent draws whose first slot has the block's own q_1 (what
-    recursive rejection sampling needs); greedy chains start at the k best first tokens and continue as a
+    """propose_chains: sampled chains start at distinct draws from the block's own q_1 (without replacement, as
+    `verify_candidates` expects) and are drawn onward independently; greedy chains start at the k best first tokens and continue as a
     single proposal would from there (teacher-forced scoring of each chain gives back its tokens)."""
     draft = make_draft(drafter, target, block_size=BLOCK)
     if drafter == "dspark":
@@ -97,5 +112,7 @@ def test_chains_share_the_first_slot_distribution_and_each_follows_its_own_first
     probs = sampled.probs.view(4, k, BLOCK, -1)
     torch.testing.assert_close(probs[:, :, 0], torch.softmax(single.logits[:, 0], -1)[:, None].expand_as(probs[:, :, 0]))
     tokens = sampled.tokens.view(4, k, BLOCK)
-    assert (tokens[:, 0] != tokens[:, 1]).any()  # drawn apart, not copies
+    first = tokens[:, :, 0]
+    assert (first[:, :, None] != first[:, None, :]).sum() == 4 * k * (k - 1)  # k distinct first tokens a row
+    assert (tokens[:, 0, 1:] != tokens[:, 1, 1:]).any()  # later slots drawn apart, not copies
     assert sampled.confidences is None

@@ -191,16 +191,21 @@ def test_decoding_walk_skips_rows_whose_anchors_do_not_cover_the_answer():
     assert (walk["walk_rows"], walk["walk_rows_skipped"], walk["walk_tokens"]) == (0, 1, 0)
 
 
-def recursive_rejection_sample(p: np.ndarray, q: np.ndarray, k: int, rng) -> tuple[int, int | None]:
-    """The procedure itself: k drafts drawn independently from q, tried one after another against the residual
-    the rejections before left; (committed token, index of the accepted draft or None)."""
-    residual = p.copy()
+def recursive_rejection_sample(p: np.ndarray, q: np.ndarray, k: int, rng, distinct=False) -> tuple[int, int | None]:
+    """The procedure itself: k drafts drawn from q (independently, or `distinct`: each from q without the earlier
+    ones), tried one after another against the residual the rejections before left; (committed token, index of
+    the accepted draft or None)."""
+    residual, left = p.copy(), q.copy()
     for i in range(k):
-        x = rng.choice(len(q), p=q)
-        if rng.random() * q[x] < residual[x]:  # accept with chance min(1, r(x) / q(x))
+        q_i = left / left.sum() if distinct else q
+        if q_i.sum() <= 0 or not np.isfinite(q_i).all():  # no token left to draw
+            break
+        x = rng.choice(len(q), p=q_i)
+        if rng.random() * q_i[x] < residual[x]:  # accept with chance min(1, r(x) / q_i(x))
             return x, i
-        residual = np.maximum(residual - q, 0)
+        residual = np.maximum(residual - q_i, 0)
         residual /= residual.sum()
+        left[x] = 0
     return rng.choice(len(p), p=residual), None
 
 
@@ -219,6 +224,32 @@ def test_multi_candidate_acceptance_matches_the_procedure_and_keeps_the_target_d
     assert accepted == pytest.approx(rate, abs=4 * np.sqrt(rate * (1 - rate) / n))
     counts = np.bincount([x for x, _ in draws], minlength=6) / n
     assert np.abs(counts - p).max() < 4 * np.sqrt(p.max() / n)  # lossless: the committed token follows p
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_multi_candidate_acceptance_without_replacement_matches_the_procedure_and_beats_independent_draws(k):
+    rng = np.random.default_rng(10 + k)
+    p = rng.dirichlet(np.full(6, 0.7))
+    q = rng.dirichlet(np.full(6, 0.3))  # sharper than p: independent draws repeat its top token
+    gen = torch.Generator().manual_seed(k)
+    distinct = multi_candidate_acceptance(torch.tensor(p), torch.tensor(q), 3, replacement=False, samples=20000,
+                                          generator=gen)  # fmt: skip
+    independent = multi_candidate_acceptance(torch.tensor(p), torch.tensor(q), 3)
+    assert distinct[0].item() == pytest.approx(independent[0].item(), abs=0.01)  # one draft: 1 - TV (estimated)
+    assert bool((distinct[1:] > independent[1:] + 0.01).all())
+    n = 40000
+    draws = [recursive_rejection_sample(p, q, k, rng, distinct=True) for _ in range(n)]
+    accepted = np.mean([i is not None for _, i in draws])
+    rate = distinct[k - 1].item()
+    assert accepted == pytest.approx(rate, abs=4 * np.sqrt(rate * (1 - rate) / n) + 0.005)  # (+ the estimate's own)
+    counts = np.bincount([x for x, _ in draws], minlength=6) / n
+    assert np.abs(counts - p).max() < 4 * np.sqrt(p.max() / n)  # lossless: the committed token follows p
+    # Batched over leading dimensions; a candidate past q's support (two tokens here) is no draw and adds nothing.
+    two = torch.tensor([[0.0, 0.0, 0.6, 0.4]])
+    rates = multi_candidate_acceptance(torch.full((2, 1, 4), 0.25), two.expand(2, 1, 4), 3, replacement=False,
+                                       samples=4000, generator=gen)  # fmt: skip
+    assert rates.shape == (2, 1, 3) and torch.equal(rates[..., 2], rates[..., 1])
+    assert torch.allclose(rates[..., 1], torch.tensor(0.5), atol=0.02)  # 0.6 * 5/12 + 0.4 * 5/8 (the second: never)
 
 
 def test_multi_candidate_acceptance_of_an_exact_or_disjoint_draft():

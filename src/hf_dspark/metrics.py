@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .sampling import sample_without_replacement
+
 
 @dataclass
 class AcceptanceStats:
@@ -264,13 +266,21 @@ def training_acceptance_estimates(
     }
 
 
-def multi_candidate_acceptance(p: torch.Tensor, q: torch.Tensor, candidates: int) -> torch.Tensor:
-    """Chance that one of k drafts is accepted, k = 1..`candidates`, for drafts drawn independently from q and
-    verified one after another by recursive rejection sampling (docs/ALGORITHMS.md, "Several candidates a slot").
+def multi_candidate_acceptance(p: torch.Tensor, q: torch.Tensor, candidates: int, replacement: bool = True,
+                               samples: int = 32, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Chance that one of k drafts is accepted, k = 1..`candidates`, for drafts drawn from q and verified one after
+    another by recursive rejection sampling (docs/ALGORITHMS.md, "Several candidates a slot").
 
-    p, q [..., V]: the target's and the draft's distributions at one slot. Candidate i is accepted with chance
-    sum min(r_i, q), r_1 = p and r_{i+1} = norm(max(r_i - q, 0)) (the residual left by rejecting it), so all k
-    fail with chance prod_i (1 - sum min(r_i, q)). k = 1 is the single draft's 1 - TV(p, q). Returns [..., k]."""
+    p, q [..., V]: the target's and the draft's distributions at one slot. Drawn independently (`replacement`):
+    candidate i is accepted with chance sum min(r_i, q), r_1 = p and r_{i+1} = norm(max(r_i - q, 0)) (the residual
+    left by rejecting it), so all k fail with chance prod_i (1 - sum min(r_i, q)): exact. Drawn without
+    replacement (as `generate(..., dspark_candidates=k)` samples them): candidate i comes from q_i, q without the
+    earlier ones, and the chance depends on which were drawn, so it is averaged over `samples` draws of the k
+    candidates per position, each draw's chance of all failing computed exactly (prod_i (1 - min(1, r_i(x_i) /
+    q_i(x_i)))): unbiased, with far less spread than simulating the coins too. k = 1 is the single draft's
+    1 - TV(p, q) (here in expectation). Returns [..., k]."""
+    if not replacement:
+        return _distinct_candidates_acceptance(p, q, candidates, samples, generator)
     residual = p.float()
     q = q.float()
     rejected = torch.ones(p.shape[:-1], dtype=torch.float32, device=p.device)
@@ -281,6 +291,32 @@ def multi_candidate_acceptance(p: torch.Tensor, q: torch.Tensor, candidates: int
         residual = (residual - q).clamp(min=0)
         residual = residual / residual.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.stack(accepted, dim=-1)
+
+
+def _distinct_candidates_acceptance(p, q, candidates, samples, generator) -> torch.Tensor:
+    vocab = p.shape[-1]
+    flat_p, flat_q = p.reshape(-1, vocab).float(), q.reshape(-1, vocab).float()
+    out = torch.empty(flat_p.shape[0], candidates, device=p.device)
+    step = max(1, 2**24 // (samples * vocab))  # positions at once: about 64 MB per [positions, samples, V] tensor
+    for start in range(0, flat_p.shape[0], step):
+        part = slice(start, start + step)
+        rows = flat_p[part].shape[0]
+        residual = flat_p[part, None].expand(rows, samples, vocab).reshape(-1, vocab)
+        q_left = flat_q[part, None].expand(rows, samples, vocab).reshape(-1, vocab)
+        drawn = sample_without_replacement(q_left, candidates, generator)
+        failing = torch.ones(residual.shape[0], device=p.device)
+        for i in range(candidates):
+            x = drawn[:, i, None]
+            q_i = q_left / q_left.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+            q_x, r_x = q_i.gather(1, x).squeeze(1), residual.gather(1, x).squeeze(1)
+            chance = torch.where(q_x > 0, (r_x / q_x.clamp_min(1e-30)).clamp(max=1), 0.0)  # (q_x = 0: no draw left)
+            failing = failing * (1 - chance)
+            out[part, i] = 1 - failing.view(rows, samples).mean(-1)
+            left = (residual - q_i).clamp(min=0)
+            mass = left.sum(-1, keepdim=True)
+            residual = torch.where((q_x > 0)[:, None] & (mass > 1e-12), left / mass.clamp_min(1e-30), residual)
+            q_left = q_left.scatter(1, x, 0.0)
+    return out.view(*p.shape[:-1], candidates)
 
 
 def top_candidates_match(target_logits: torch.Tensor, draft_logits: torch.Tensor, candidates: int) -> torch.Tensor:

@@ -89,6 +89,13 @@ class TokenSampler:
             return probs.argmax(dim=-1)
         return sample_from(probs, self.generator)
 
+    def select_distinct(self, probs: torch.Tensor, k: int) -> torch.Tensor:
+        """k distinct tokens per row of probs [R, V] -> [R, k]: draws without replacement, in order, when sampling
+        (`sample_without_replacement`); the k most likely when greedy."""
+        if not self.do_sample:
+            return probs.topk(k, dim=-1).indices
+        return sample_without_replacement(probs, k, self.generator)
+
     def draw(self, logits: torch.Tensor, input_ids: torch.Tensor | None = None):
         """One token per row from raw logits [R, V] -> (probs [R, V] it was drawn from, or None when greedy; token).
 
@@ -115,4 +122,19 @@ def sample_from(probs: torch.Tensor, generator: torch.Generator | None = None) -
     return (probs / race).argmax(dim=-1)
 
 
-__all__ = ["TokenSampler", "sample_from", "apply_logits_processors", "apply_position_free"]
+def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """k distinct draws per row of probs [R, V], in order: [R, k]. The first follows probs, each later one probs
+    with the earlier draws removed and renormalized (successive sampling without replacement).
+
+    The exponential race again: of p_v / E_v, the largest is a draw from p, and the rest of the race, given it, is
+    the same race over the remaining tokens; so the k largest in order are k successive draws without replacement.
+    Rows with fewer than k tokens of positive mass fill their last places with zero-mass tokens, which callers
+    treat as no draw (`verify_candidates` never accepts them)."""
+    if not 1 <= k <= probs.shape[-1]:
+        raise ValueError(f"k must be between 1 and the vocabulary ({probs.shape[-1]}), got {k}")
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / race).topk(k, dim=-1).indices
+
+
+__all__ = ["TokenSampler", "sample_from", "sample_without_replacement", "apply_logits_processors",
+           "apply_position_free"]

@@ -122,20 +122,26 @@ def verify_candidates(
     do_sample: bool,
     generator: torch.Generator | None = None,
     method: str = "block",
+    replacement: bool = False,
 ) -> CandidatesResult:
     """Verify k chains that share an anchor: a tree that branches at the first slot (docs/ALGORITHMS.md, "Several
     candidates a slot").
 
     target_scores [R, 1 + k n, V]: the target's processed logits at [anchor, chain 1's x_1..x_n, ..., chain k's]
     (each chain's row j predicts its slot j + 1, its last row the bonus token); draft_tokens [R, k, n];
-    draft_probs [R, k, n, V]: the distributions each chain was drawn from, its first slot independently from
-    the same q_1 (unused when greedy); num_proposed [R]: the leading slots of each chain a row verifies.
+    draft_probs [R, k, n, V]: the distributions each chain was drawn from, every chain's first slot holding the
+    same q_1 (unused when greedy); num_proposed [R]: the leading slots of each chain a row verifies.
 
-    Sampling: the first slot by recursive rejection sampling: candidate i is accepted with probability
-    min(1, r_i(x^i) / q_1(x^i)), r_1 = p_1, r_{i+1} = normalize(max(0, r_i - q_1)); if all fail, the next token
-    is drawn from r_{k+1}. Greedy: the candidate equal to the target's argmax, if any. The accepted candidate's
-    chain is then verified from its second slot by `verify_block` (its drafts were drawn given that candidate,
-    independently of the other chains, so the two steps together keep the target's distribution)."""
+    Sampling: the first slot by recursive rejection sampling. The first tokens were drawn from q_1 without
+    replacement (`sampling.sample_without_replacement`; `replacement=True`: independently), so candidate i was drawn
+    from q_i, q_1 without the earlier candidates, renormalized (q_i = q_1 with replacement). Candidate i is
+    accepted with probability min(1, r_i(x^i) / q_i(x^i)), r_1 = p_1, r_{i+1} = normalize(max(0, r_i - q_i)); if
+    all fail, the next token is drawn from r_{k+1}. Each step keeps the target's law whatever q_i is, given the
+    draws before it; without replacement no candidate repeats one already rejected (which could never be accepted),
+    so more are accepted. A candidate with no mass left to draw from (fewer than k tokens in q_1's support) is
+    never accepted. Greedy: the candidate equal to the target's argmax, if any. The accepted candidate's chain is
+    then verified from its second slot by `verify_block` (its drafts were drawn given that candidate, independently
+    of the other chains, so the two steps together keep the target's distribution)."""
     rows, k, n = draft_tokens.shape
     vocab = target_scores.shape[-1]
     if target_scores.shape[1] != 1 + k * n:
@@ -152,19 +158,26 @@ def verify_candidates(
         if draft_probs is None:
             raise ValueError("sampling verification needs draft_probs: the distributions the chains were drawn from")
         residual = torch.softmax(target_scores[:, 0].float(), dim=-1)
-        q_first = draft_probs[:, 0, 0].float()
+        q_left = draft_probs[:, 0, 0].float()  # q_1, less the earlier candidates when drawn without replacement
         chain = torch.full((rows,), -1, dtype=torch.long, device=residual.device)
         for i in range(k):
             x = first_tokens[:, i, None]
+            q_i = q_left
+            if not replacement and i:
+                mass = q_left.sum(dim=-1, keepdim=True)
+                q_i = q_left / mass.clamp_min(1e-30)
+            q_x = q_i.gather(1, x).squeeze(1)
             u = torch.rand(rows, device=residual.device, generator=generator)
-            pending = (chain < 0) & proposed
-            accept = pending & (u * q_first.gather(1, x).squeeze(1) < residual.gather(1, x).squeeze(1))
+            pending = (chain < 0) & proposed & (q_x > 0)  # (q_x = 0: no draw was left for this candidate)
+            accept = pending & (u * q_x < residual.gather(1, x).squeeze(1))
             chain = torch.where(accept, i, chain)
-            left = (residual - q_first).clamp_min(0)
+            left = (residual - q_i).clamp_min(0)
             mass = left.sum(dim=-1, keepdim=True)
             # r == q up to rounding makes a rejection (almost) impossible; keep r rather than divide by ~0.
             left = torch.where(mass > 1e-12, left / mass.clamp_min(1e-30), residual)
             residual = torch.where((pending & ~accept)[:, None], left, residual)
+            if not replacement:
+                q_left = q_left.scatter(1, x, 0.0)
         first_next = sample_from(residual, generator)
     picked = chain.clamp(min=0)
     scores = target_scores[:, 1:].reshape(rows, k, n, vocab)[row, picked]  # [R, n, V]: after the chain's slots

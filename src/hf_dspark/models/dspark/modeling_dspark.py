@@ -226,23 +226,28 @@ class DSparkModel(DraftPreTrainedModel):
     def propose_chains(self, cache, anchor_ids, *, sampler, num_tokens: int, candidates: int) -> DraftProposal:
         """`candidates` chains of `num_tokens` drafts after each anchor, for a round verified as a tree that
         branches at the first slot (`generation.rejection.verify_candidates`). The block's layers run once; only
-        the draws repeat. Sampling: the chains are drawn independently (their first tokens are independent draws
-        from the same q_1, as recursive rejection sampling needs); greedy: the k highest-scoring first tokens,
-        each continued greedily. tokens [R * k, n] and probs [R * k, n, V] (sampling), row r's chain c at r * k + c;
-        no confidences (confidence schedules do not apply to trees)."""
+        the draws repeat. Sampling: the first tokens are k draws from the block's q_1 without replacement
+        (`verify_candidates` accounts for it), and each chain is drawn onward from its own first token; greedy:
+        the k highest-scoring first tokens, each continued greedily. tokens [R * k, n] and probs [R * k, n, V]
+        (sampling; every chain's first slot holds q_1), row r's chain c at r * k + c; no confidences (confidence
+        schedules do not apply to trees)."""
         if not 1 <= candidates:
             raise ValueError(f"candidates must be >= 1, got {candidates}")
         hidden = self._block_hidden(cache, anchor_ids, num_tokens)
         first = None
-        if not sampler.do_sample:  # the first slot's k best tokens (its scores do not depend on the chain)
+        if candidates > 1:  # the first slot's distribution does not depend on the chain: score it once
             one = self._sample_block(hidden[:, :1], anchor_ids, sampler, None, None, return_logits=True)
             scores = sampler.process(one.logits[:, 0])
             if candidates > scores.shape[-1]:
                 raise ValueError(f"candidates={candidates} exceeds the vocabulary ({scores.shape[-1]} tokens)")
-            first = scores.topk(candidates, dim=-1).indices.reshape(-1)
+            probs = torch.softmax(scores, dim=-1) if sampler.do_sample else scores  # (greedy: top-k of the scores)
+            first = sampler.select_distinct(probs, candidates).reshape(-1)
         hidden = hidden.repeat_interleave(candidates, dim=0)
         anchors = anchor_ids.repeat_interleave(candidates, dim=0)
         proposal = self._sample_block(hidden, anchors, sampler, None, None, return_logits=False, first_tokens=first)
+        if first is not None and sampler.do_sample:  # the first slot's q is the one the candidates were drawn from
+            rows = anchor_ids.shape[0]
+            proposal.probs.view(rows, candidates, *proposal.probs.shape[1:])[:, :, 0] = probs[:, None]
         proposal.confidences = proposal.confidence_logits = None
         return proposal
 
@@ -251,11 +256,10 @@ class DSparkModel(DraftPreTrainedModel):
         """Left-to-right sampling through the Markov head; without one (DFlash) and with processors that do not
         read the sequence (`input_ids` is None), every slot is drawn in one batched call. Logits are cast to
         float32 here only when returned: otherwise the sampler casts what it processes, and a greedy draw without
-        processors argmaxes them as they are (`TokenSampler.draw`)."""
+        processors argmaxes them as they are (`TokenSampler.draw`). `first_tokens` [R]: the first slot's tokens,
+        chosen by the caller (`propose_chains`) from this slot's distribution, in place of the slot's own draw."""
         cfg = self.config
         rows, n, _ = hidden.shape
-        if first_tokens is not None and sampler.do_sample:
-            raise ValueError("first_tokens chooses greedy chains' first slot; a sampled slot must be drawn from q")
         base_logits = F.linear(hidden, self.lm_head.weight)  # [R, n, V], once for the whole block
         if not cfg.has_markov_head and input_ids is None:
             logits = self.finish_logits(base_logits)
