@@ -11,6 +11,7 @@ proposal (rounds are timed by generation_speed.py).
     python benchmarks/draft_draw_ops.py --device cpu --json OUT.json              # tiny random target, vocab 49152
     python benchmarks/draft_draw_ops.py --target TARGET --device cuda --json OUT.json
     python benchmarks/draft_draw_ops.py --round --device cpu --json OUT.json      # whole rounds
+    python benchmarks/draft_draw_ops.py --round --candidates 1 2 4 --drafters dspark --device cpu  # tree rounds
 
 Counts are dispatched aten operators without views and allocations (what launches work); `torch.multinomial`
 counts once here but runs about 13 kernels on CUDA (its input checks, then the exponential race), listed apart.
@@ -66,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--replays", type=int, default=200, help="timed replays per configuration (CUDA)")
     p.add_argument("--round", action="store_true", help="count a whole fused round (the second of a call)")
+    p.add_argument("--candidates", type=int, nargs="+", default=[1], metavar="K",
+                   help="with --round: first-slot candidates a round (dspark_candidates; K > 1: a tree round, "
+                   "block drafters only)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -119,14 +123,17 @@ def measure(args, target, name: str, temperature: float, device, dtype) -> dict:
 
 
 class _CountSecondRound:
-    """Patches `FusedRoundRunner._round` for one call: the second round (past any first-round set-up) runs under
-    an `OperatorCount`, with the target's verify forward counted apart."""
+    """Patches `FusedRoundRunner._round` (`_tree_round` for a tree) for one call: the second round (past any
+    first-round set-up) runs under an `OperatorCount`, with the target's verify forward and the draft's proposal
+    counted apart."""
 
-    def __init__(self):
+    def __init__(self, tree: bool = False):
         from hf_dspark.generation import round_graph
 
-        self.runner_class, self.plain = round_graph.FusedRoundRunner, round_graph.FusedRoundRunner._round
-        self.rounds, self.ops, self.target_ops = 0, OperatorCount(), 0
+        self.method = "_tree_round" if tree else "_round"
+        self.runner_class = round_graph.FusedRoundRunner
+        self.plain = getattr(self.runner_class, self.method)
+        self.rounds, self.ops, self.target_ops, self.draft_ops = 0, OperatorCount(), 0, 0
 
     def __enter__(self):
         counter, plain = self, self.plain
@@ -135,30 +142,34 @@ class _CountSecondRound:
             counter.rounds += 1
             if counter.rounds != 2:
                 return plain(runner)
-            forward = runner.target_runner._run
+            forward, propose = runner.target_runner._run, runner.draft_runner._propose_fn
 
-            def target_forward():
-                before = sum(counter.ops.names.values())
-                try:
-                    return forward()
-                finally:
-                    counter.target_ops += sum(counter.ops.names.values()) - before
+            def counted_apart(fn, field):
+                def run():
+                    before = sum(counter.ops.names.values())
+                    try:
+                        return fn()
+                    finally:
+                        setattr(counter, field, getattr(counter, field) + sum(counter.ops.names.values()) - before)
 
-            runner.target_runner._run = target_forward
+                return run
+
+            runner.target_runner._run = counted_apart(forward, "target_ops")
+            runner.draft_runner._propose_fn = counted_apart(propose, "draft_ops")
             try:
                 with counter.ops:
                     plain(runner)
             finally:
-                runner.target_runner._run = forward
+                runner.target_runner._run, runner.draft_runner._propose_fn = forward, propose
 
-        self.runner_class._round = counted
+        setattr(self.runner_class, self.method, counted)
         return self
 
     def __exit__(self, *exc):
-        self.runner_class._round = self.plain
+        setattr(self.runner_class, self.method, self.plain)
 
 
-def measure_round(args, target, name: str, temperature: float, device, dtype) -> dict:
+def measure_round(args, target, name: str, temperature: float, device, dtype, candidates: int = 1) -> dict:
     torch.manual_seed(0)
     layers = 1 if name == "eagle3" else args.num_hidden_layers
     draft = DRAFTERS[name].from_target(target, num_hidden_layers=layers, block_size=args.block_size)
@@ -166,16 +177,19 @@ def measure_round(args, target, name: str, temperature: float, device, dtype) ->
     ids = torch.randint(3, target.config.vocab_size, (args.rows, 24), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))  # fmt: skip
     sampling = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)
-    with _CountSecondRound() as counter:
+    tree = {"dspark_candidates": candidates} if candidates > 1 else {}
+    with _CountSecondRound(tree=bool(tree)) as counter:
         target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft,
                         max_new_tokens=4 * (args.block_size + 1), dspark_target_graphs=True, dspark_fused_round=True,
-                        **sampling)  # fmt: skip
+                        **sampling, **tree)  # fmt: skip
     if counter.rounds < 2:
         raise RuntimeError(f"{name}: the call ran {counter.rounds} fused round(s); the count needs a second")
     total = sum(counter.ops.names.values())
-    return {"drafter": name, "temperature": temperature, "operators": total,
-            "target_forward_operators": counter.target_ops, "other_operators": total - counter.target_ops,
-            "float_casts": counter.ops.names["_to_copy"], "top_operators": dict(counter.ops.names.most_common(12))}
+    rest = total - counter.target_ops - counter.draft_ops
+    return {"drafter": name, "temperature": temperature, "candidates": candidates, "operators": total,
+            "target_forward_operators": counter.target_ops, "draft_proposal_operators": counter.draft_ops,
+            "other_operators": rest, "float_casts": counter.ops.names["_to_copy"],
+            "top_operators": dict(counter.ops.names.most_common(12))}
 
 
 def main(argv=None) -> int:
@@ -183,8 +197,11 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     target = load_target(args, device, dtype)
-    count = measure_round if args.round else measure
-    rows = [count(args, target, name, t, device, dtype) for name in args.drafters for t in args.temperatures]
+    if args.round:
+        rows = [measure_round(args, target, name, t, device, dtype, k) for name in args.drafters
+                for t in args.temperatures for k in args.candidates if k == 1 or name != "eagle3"]  # fmt: skip
+    else:
+        rows = [measure(args, target, name, t, device, dtype) for name in args.drafters for t in args.temperatures]
     result = {
         "benchmark": "draft_draw_ops" + (" --round" if args.round else ""),
         "command": "draft_draw_ops.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -195,11 +212,13 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.round:
-        print("| drafter | T | aten operators a round | the target's verify forward | the rest | float casts |")
-        print("|---|---|---|---|---|---|")
+        print("| drafter | T | candidates | aten operators a round | the target's verify forward | the draft's "
+              "proposal | the rest (verification, commit, extension) | float casts |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['drafter']} | {r['temperature']:g} | {r['operators']} | {r['target_forward_operators']} "
-                  f"| {r['other_operators']} | {r['float_casts']} |")
+            print(f"| {r['drafter']} | {r['temperature']:g} | {r['candidates']} | {r['operators']} "
+                  f"| {r['target_forward_operators']} | {r['draft_proposal_operators']} | {r['other_operators']} "
+                  f"| {r['float_casts']} |")
         return 0
     print("| drafter | T | aten operators | multinomial calls (~13 kernels each on CUDA) | softmax | float casts "
           "| ms a proposal (CUDA graph) |")

@@ -212,18 +212,26 @@ def test_draft_draw_ops_counts_every_drafter_and_temperature(tmp_path):
 
 
 def test_draft_draw_ops_round_counts_a_whole_round_with_the_target_apart(tmp_path):
-    """--round: one fused round per drafter and temperature, the target's verify forward counted apart from the rest,
-    and a greedy round spends fewer operators than a sampled one outside the target."""
+    """--round: one fused round per drafter, temperature and number of candidates, the target's verify forward and
+    the draft's proposal counted apart from the rest; a greedy round spends fewer operators than a sampled one
+    outside the target, and a tree round (two candidates) more than a single chain's, in the proposal and after it."""
     module = load_script("benchmarks/draft_draw_ops.py")
     out = tmp_path / "rounds.json"
-    assert module.main(["--round", "--device", "cpu", "--vocab", "512", "--drafters", "dspark", "--json", str(out)]) == 0
-    rows = {r["temperature"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {0.0, 1.0}
+    argv = ["--round", "--device", "cpu", "--vocab", "512", "--drafters", "dspark", "eagle3", "--candidates", "1", "2",
+            "--json", str(out)]  # fmt: skip
+    assert module.main(argv) == 0
+    rows = {(r["drafter"], r["temperature"], r["candidates"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(d, t, k) for t in (0.0, 1.0) for d, k in (("dspark", 1), ("dspark", 2), ("eagle3", 1))}
     for r in rows.values():
-        assert 0 < r["target_forward_operators"] < r["operators"]
-        assert r["other_operators"] == r["operators"] - r["target_forward_operators"]
-    assert rows[0.0]["target_forward_operators"] == rows[1.0]["target_forward_operators"]
-    assert rows[0.0]["other_operators"] < rows[1.0]["other_operators"]
+        assert 0 < r["target_forward_operators"] < r["operators"] and 0 < r["draft_proposal_operators"]
+        assert r["other_operators"] == r["operators"] - r["target_forward_operators"] - r["draft_proposal_operators"]
+    single = {t: rows[("dspark", t, 1)] for t in (0.0, 1.0)}
+    assert single[0.0]["target_forward_operators"] == single[1.0]["target_forward_operators"]
+    assert single[0.0]["other_operators"] < single[1.0]["other_operators"]
+    for t in (0.0, 1.0):
+        tree = rows[("dspark", t, 2)]
+        assert tree["draft_proposal_operators"] > single[t]["draft_proposal_operators"]
+        assert tree["other_operators"] > single[t]["other_operators"]
 
 
 def test_verify_cost_smoke_times_every_case_with_both_spare_passes(tmp_path):

@@ -237,10 +237,10 @@ class DSparkModel(DraftPreTrainedModel):
         first = None
         if candidates > 1:  # the first slot's distribution does not depend on the chain: score it once
             one = self._sample_block(hidden[:, :1], anchor_ids, sampler, None, None, return_logits=True)
-            scores = sampler.process(one.logits[:, 0])
-            if candidates > scores.shape[-1]:
-                raise ValueError(f"candidates={candidates} exceeds the vocabulary ({scores.shape[-1]} tokens)")
-            probs = torch.softmax(scores, dim=-1) if sampler.do_sample else scores  # (greedy: top-k of the scores)
+            if candidates > one.logits.shape[-1]:
+                raise ValueError(f"candidates={candidates} exceeds the vocabulary ({one.logits.shape[-1]} tokens)")
+            # Sampling: the distribution the slot's own draw used; greedy: top-k of the processed scores.
+            probs = one.probs[:, 0] if sampler.do_sample else sampler.process(one.logits[:, 0])
             first = sampler.select_distinct(probs, candidates).reshape(-1)
         hidden = hidden.repeat_interleave(candidates, dim=0)
         anchors = anchor_ids.repeat_interleave(candidates, dim=0)
