@@ -7,13 +7,15 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   <draft>+threshold / <draft>+prefix   DSpark drafts with a confidence head: static threshold / Algorithm 1
   <draft>+kK    with --candidates K ...: DSpark / DFlash drafts with K first-slot candidates a round, verified as
                 a tree (dspark_candidates=K)
-  <draft>/static, /dynamic, /eager, /fused, /compiled, /compiled-draft, /fused-compiled-draft   with
+  <draft>/static, /dynamic, /eager, /fused, /compiled, /compiled-draft, /fused-compiled-draft,
+  /fused-compiled-verify   with
                 --compare-paths: the static verification path in separate graphs with its verify forward uncompiled,
                 the dynamic cache, no CUDA graphs at all, whole rounds as one graph with the draft uncompiled
                 (dspark_fused_round; verify forward compiled as by default), separate graphs with the verify
                 forward compiled before capture (dspark_compile), and with the draft's proposal and extension
                 compiled too (dspark_compile_draft), separately or inside the fused round (the default on CUDA
-                where the fused round applies)
+                where the fused round applies), and the fused round's verification and commit compiled as well
+                (dspark_compile_verify). Paths named explicitly also run each --candidates K (<draft>+kK/PATH)
   target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
                 generate() on CUDA), the fastest target-alone baseline. Not plain cache_implementation="static":
                 generate() sizes each call's new StaticCache by that call's prompt length + max_new_tokens (never
@@ -88,6 +90,8 @@ PATHS = {
                        "dspark_draft_graphs": True, "dspark_compile_draft": True},
     "fused-compiled-draft": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile": True,
                              "dspark_compile_draft": True},
+    "fused-compiled-verify": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile": True,
+                              "dspark_compile_draft": True, "dspark_compile_verify": True},
 }
 
 
@@ -117,8 +121,10 @@ def parse_args(argv=None):
                         "(dspark_target_graphs=True, separate graphs, dspark_compile=False), dynamic "
                         "(dspark_target_graphs=False), eager (no CUDA graphs at all), fused (whole rounds as one graph, "
                         "dspark_fused_round=True; the default on CUDA), compiled (separate graphs, the verify forward "
-                        "compiled), compiled-draft (the draft's functions compiled too, dspark_compile_draft=True) and "
-                        "fused-compiled-draft (both in the fused round)")
+                        "compiled), compiled-draft (the draft's functions compiled too, dspark_compile_draft=True), "
+                        "fused-compiled-draft (both in the fused round) and fused-compiled-verify (the round's "
+                        "verification and commit compiled too, dspark_compile_verify=True); paths named here also run "
+                        "each --candidates K")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--smoke-depth", choices=("tiny", "smollm2"), default="tiny",
@@ -308,7 +314,11 @@ def benchmark(args, setup, progress=None) -> list[Row]:
                         (f"{name}+prefix", {"dspark_schedule": "prefix", **sps}),
                     ]
                 if hasattr(draft, "propose_chains"):
-                    variants += [(f"{name}+k{k}", {"dspark_candidates": k}) for k in args.candidates if k > 1]
+                    for k in (k for k in args.candidates if k > 1):
+                        variants.append((f"{name}+k{k}", {"dspark_candidates": k}))
+                        # Paths named explicitly (not the bare flag's all) also serve the tree round.
+                        variants += [(f"{name}+k{k}/{path}", {**PATHS[path], "dspark_candidates": k})
+                                     for path in args.compare_paths or []]  # fmt: skip
                 for label, extra in variants:
                     row = Row(label, batch_size, temperature)
                     try:

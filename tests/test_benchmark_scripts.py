@@ -29,7 +29,8 @@ def test_generation_speed_smoke_rows_and_greedy_equality(generation_speed, tmp_p
     rows = result["rows"]
     methods = {r["method"] for r in rows}
     assert {"target", "prompt_lookup", "target+static-cache", "dspark", "dspark/static", "dspark/dynamic", "dspark/eager", "dspark/fused",
-            "dspark/compiled", "dspark/compiled-draft", "dspark/fused-compiled-draft", "dspark+threshold",
+            "dspark/compiled", "dspark/compiled-draft", "dspark/fused-compiled-draft", "dspark/fused-compiled-verify",
+            "dspark+threshold",
             "dspark+prefix", "dspark+k2", "dflash", "dflash+k2", "eagle3", "eagle3/compiled-draft"} <= methods
     assert "eagle3+k2" not in methods  # (a tree of chains needs a block drafter)
     assert result["complete"] is True
@@ -108,10 +109,12 @@ def test_a_timed_call_that_compiled_runs_again_from_the_same_random_state(genera
 def test_compare_paths_takes_a_subset(generation_speed, tmp_path):
     out = tmp_path / "speed.json"
     argv = ["--smoke", "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1", "--num-prompts", "2",
-            "--temperatures", "0", "--json", str(out), "--compare-paths", "fused", "eager"]  # fmt: skip
+            "--temperatures", "0", "--json", str(out), "--compare-paths", "fused", "eager", "--candidates", "2"]  # fmt: skip
     assert generation_speed.main(argv) == 0
     methods = [r["method"] for r in json.loads(out.read_text())["rows"] if r["method"].startswith("dspark")]
-    assert sorted(m for m in methods if "/" in m) == ["dspark/eager", "dspark/fused"]
+    # Paths named explicitly serve the tree round too.
+    assert sorted(m for m in methods if "/" in m) == ["dspark+k2/eager", "dspark+k2/fused", "dspark/eager",
+                                                      "dspark/fused"]
     assert all(r["matches_target"] for r in json.loads(out.read_text())["rows"] if r["method"] in methods)
 
 

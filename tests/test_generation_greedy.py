@@ -473,6 +473,35 @@ def test_compiled_draft_functions_inside_the_fused_round():
     assert torch.equal(target.generate(ids, attention_mask=mask, dspark_compile_draft=True, **sampled), plain)
 
 
+@pytest.mark.parametrize("candidates", [1, 2])
+def test_compiled_verification_inside_the_fused_round(candidates):
+    """dspark_compile_verify: the fused round's verification and commit through torch.compile (few fused kernels
+    instead of a chain of small ones); greedy output equals the target's, sampled output equals the uncompiled
+    round's under one seed (the draws stay eager's on the same generator), for a chain and for a tree."""
+    from torch._dynamo.utils import counters
+
+    from hf_dspark.generation.round_graph import _RUNNERS
+
+    target = _target("llama", "sdpa")
+    draft = make_draft("dspark", target)
+    ids, mask = _batch()
+    fused = dict(assistant_model=draft, dspark_target_graphs=True, dspark_fused_round=True, max_new_tokens=12,
+                 dspark_candidates=candidates)  # fmt: skip
+    counters.clear()
+    out = target.generate(ids, attention_mask=mask, dspark_compile_verify=True, do_sample=False, **fused)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    runner = _RUNNERS[draft][1]  # the round called the compiled function, with no fallback
+    assert runner.compiled and runner._verify_fn is not runner._verify_plain and counters["frames"]["ok"] >= 1
+    sampled = dict(fused, do_sample=True, top_k=20)
+    torch.manual_seed(5)
+    plain = target.generate(ids, attention_mask=mask, **sampled)
+    torch.manual_seed(5)
+    assert torch.equal(target.generate(ids, attention_mask=mask, dspark_compile_verify=True, **sampled), plain)
+    with pytest.raises(ValueError, match="dspark_compile_verify=True compiles the fused round's verification"):
+        target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_fused_round=False,
+                        dspark_compile_verify=True, max_new_tokens=4)  # fmt: skip
+
+
 def test_compile_defaults_to_cuda_only():
     """dspark_compile="auto" (the default) compiles only where the static path runs on CUDA: a static path forced
     on CPU stays uncompiled (nothing goes through dynamo), and a value outside True/False/"auto" names the choices."""

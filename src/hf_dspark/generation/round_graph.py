@@ -39,7 +39,7 @@ class FusedRoundRunner:
 
     def __init__(self, draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
                  num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False,
-                 verification: str = "block", candidates: int = 1):
+                 verification: str = "block", candidates: int = 1, compile_verify: bool = False):
         rows, device = target_runner.rows, target_runner.key_valid.device
         self.rows, self.n, self.width = rows, int(num_tokens), int(num_tokens) + 1
         self.candidates = int(candidates)  # > 1: rounds verify a tree of k chains (`_tree_round`)
@@ -66,6 +66,11 @@ class FusedRoundRunner:
         self.depth = tree_depths(self.candidates, self.n, device)  # window columns' offsets (a chain: 0..n)
         self.window_cols = torch.arange(target_runner.width, device=device)
         self.out = torch.zeros(5, rows, **long)
+        self._verify_plain = self._verify_and_commit_tree if self.candidates > 1 else self._verify_and_commit
+        self._verify_fn = self._verify_plain
+        self.compiled = bool(compile_verify)
+        if compile_verify:  # the draws keep eager's random stream, as the draft's compiled functions do
+            self._verify_fn = torch.compile(self._verify_plain, dynamic=False, options={"fallback_random": True})
         self.capture = capture and device.type == "cuda"
         self._graph = None
         self._confidences = None
@@ -94,7 +99,7 @@ class FusedRoundRunner:
         return self.tokens[:, :width]
 
     def _capture(self) -> None:
-        compiled = self.draft_runner.compiled or self.target_runner.compiled
+        compiled = self.draft_runner.compiled or self.target_runner.compiled or self.compiled
         self._graph, _ = capture_or_uncompiled(
             "round functions", lambda: capture_graph(self._tree_round if self.candidates > 1 else self._round,
                                                      before_warmup=self._idle), compiled, self._uncompile
@@ -103,6 +108,7 @@ class FusedRoundRunner:
     def _uncompile(self) -> None:
         self.draft_runner._uncompile()
         self.target_runner._uncompile()
+        self._verify_fn, self.compiled = self._verify_plain, False
 
     def _idle(self) -> None:
         """Warm-up state: no row runs, so a round commits nothing and writes only past every row's length."""
@@ -143,29 +149,36 @@ class FusedRoundRunner:
         proposal = draft._propose_fn()
         self._confidences = proposal.confidences
         drafts = proposal.tokens[:, :n]
-        caps = (self.draft_budget - self.lengths).clamp(min=0, max=n)  # whole blocks, cut by the token budget
         target.window[:, 1:] = drafts
-        window = target.window  # [rows, n + 1]: anchor, drafts
         torch.add(self.real[:, None], slot, out=target.positions)
         logits, features = target._run()
+        prefix, new_tokens, continuing = self._verify_fn(logits, drafts, proposal.probs, anchor_cols)
+        self._advance(prefix, features, new_tokens, continuing)
+
+    def _verify_and_commit(self, logits, drafts, probs, anchor_cols):
+        """The round after the verify forward, up to the draft's extension: verification, the tokens and lengths
+        committed, the verification cache's columns kept, the host's report written. One region of small
+        operators, compiled into few kernels with `compile_verify`."""
+        n, slot, target = self.n, self.slot, self.target_runner
+        caps = (self.draft_budget - self.lengths).clamp(min=0, max=n)  # whole blocks, cut by the token budget
         # Greedy verification takes an argmax and sampling casts to float32 itself: only processors need a copy.
         scores = apply_position_free(self.processors, logits) if len(self.processors) else logits
-        result = verify_block(scores, drafts, proposal.probs, caps, self.do_sample, method=self.verification)
+        result = verify_block(scores, drafts, probs, caps, self.do_sample, method=self.verification)
         accepted = result.num_accepted
-        new_tokens = block_tokens(window, result)
+        new_tokens = block_tokens(target.window, result)  # (the window: anchor, drafts)
         prefix, counts, finished, continuing = self._commit_tokens(anchor_cols, new_tokens, accepted)
         # The verification cache keeps the longest committed prefix among continuing rows (else among all).
         keep = torch.where(continuing.any(), prefix * continuing, prefix).amax()
         committed = slot[None, :] < prefix.clamp(max=keep)[:, None]
         target.key_valid.scatter_(1, (target.length_t + slot)[None, :].expand_as(committed), committed)
         target.length_t += keep
-        self._advance(prefix, features, new_tokens, continuing)
-        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
+        self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
+        return prefix, new_tokens, continuing
 
     def _tree_round(self) -> None:
         """`_round` for k first-slot candidates: k chains in the window (the target runner's tree mask),
         `verify_candidates`, and the accepted path's tokens, features and cache columns committed."""
-        n, k, rows, running = self.n, self.candidates, self.rows, self.running
+        n, k, rows = self.n, self.candidates, self.rows
         draft, target = self.draft_runner, self.target_runner
         anchor_cols = self.last_prompt_col + self.lengths
         torch.gather(self.tokens, 1, anchor_cols[:, None], out=target.window[:, :1])
@@ -173,10 +186,16 @@ class FusedRoundRunner:
         self._confidences = None
         chains = proposal.tokens.view(rows, k, n)
         probs = None if proposal.probs is None else proposal.probs.view(rows, k, n, -1)
-        caps = (self.draft_budget - self.lengths).clamp(min=0, max=n)
         target.window[:, 1:] = chains.reshape(rows, k * n)
         torch.add(self.real[:, None], self.depth, out=target.positions)
         logits, features = target._run()
+        prefix, path_features, new_tokens, continuing = self._verify_fn(logits, chains, probs, anchor_cols, features)
+        self._advance(prefix, path_features, new_tokens, continuing)
+
+    def _verify_and_commit_tree(self, logits, chains, probs, anchor_cols, features):
+        """`_verify_and_commit` for a tree; also returns the accepted path's features [rows, n + 1, F]."""
+        n, rows, running, target = self.n, self.rows, self.running, self.target_runner
+        caps = (self.draft_budget - self.lengths).clamp(min=0, max=n)
         scores = apply_position_free(self.processors, logits) if len(self.processors) else logits
         result = verify_candidates(scores, chains, probs, caps, self.do_sample, method=self.verification)
         accepted = result.num_accepted
@@ -194,8 +213,8 @@ class FusedRoundRunner:
         target.key_valid.scatter_(1, (target.length_t + self.window_cols)[None, :].expand_as(committed), committed)
         target.length_t += keep
         path_features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-        self._advance(prefix, path_features, new_tokens, continuing)
-        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
+        self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
+        return prefix, path_features, new_tokens, continuing
 
     # -- the two rounds' shared steps -----------------------------------------------------------------------
 
@@ -206,7 +225,8 @@ class FusedRoundRunner:
         running = self.running
         # Each running row commits a prefix of its window (none where idle): the draft's context extends by these
         # counts whatever EOS cuts, as the target's cache keeps them.
-        prefix = torch.mul(accepted + 1, running, out=self.draft_runner.counts)
+        prefix = self.draft_runner.counts  # (the draft's extension reads them there)
+        prefix.copy_((accepted + 1) * running)
         counts = prefix
         if self.eos is not None:
             counts, stopped = cut_at_stop(new_tokens, prefix, self.eos)
@@ -238,18 +258,19 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # draft -> 
 
 def fused_round_runner(draft, target_runner, sampler, processors, do_sample: bool, eos_ids: tuple[int, ...],
                        num_tokens: int, capacity: int, capture: bool, compile_draft: bool = False,
-                       verification: str = "block", candidates: int = 1) -> FusedRoundRunner:
+                       verification: str = "block", candidates: int = 1,
+                       compile_verify: bool = False) -> FusedRoundRunner:
     """The draft's runner for this call: the last one when everything its graph bakes in matches (`kept_runner`;
     it holds the verification runner it was built with, so that one's id cannot be reused meanwhile), else new."""
     # The target's processors and the draft's (its sampler's: they add the proposal temperature) are both baked in.
     key = (id(target_runner), processors_signature(processors), processors_signature(sampler.logits_processor),
            do_sample, verification, tuple(eos_ids), int(num_tokens), capture, bool(compile_draft), int(candidates),
-           next(draft.parameters()).data_ptr())  # fmt: skip
+           bool(compile_verify), next(draft.parameters()).data_ptr())  # fmt: skip
 
     def build(cap: int) -> FusedRoundRunner:
         cap = max(cap, target_runner.capacity)  # calls of one verification shape share the runner
         return FusedRoundRunner(draft, target_runner, sampler, processors, do_sample, eos_ids, num_tokens, cap, capture,
-                                compile_draft, verification, candidates)
+                                compile_draft, verification, candidates, compile_verify)
 
     return kept_runner(_RUNNERS, draft, key, capacity, lambda r: r.dcache.capacity, build)
 

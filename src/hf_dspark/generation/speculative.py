@@ -190,6 +190,13 @@ class SpeculativeConfig:
             separate graphs it gained 1-10%, so it stays off there); True: wherever the static draft path runs
             (eagerly on CPU too); False: never. The first call of a shape compiles (about 20 s on that machine).
             Where compilation fails, the uncompiled functions are captured.
+        compile_verify (`bool`, field `dspark_compile_verify`, defaults to False): in the fused round, `torch.compile`
+            the part after the verify forward (verification, the commit of tokens, lengths and the verification
+            cache's columns) before it is captured. On a GPU a batch-16 round is bound by how many kernels it
+            launches, and this part is a chain of small ones (133 aten operators of a sampled SmolLM2 round's 595,
+            221 in a round with two first-slot candidates; `benchmarks/draft_draw_ops.py --round`); compiled they
+            fuse into few. Its speed is not measured on a GPU yet, so it is off by default. The first call of a
+            shape compiles; where compilation fails, the uncompiled function is captured (with a warning).
         draft_temperature (`float`, field `dspark_draft_temperature`, defaults to 1.0): when sampling, the draft
             draws from softmax(processed draft scores / draft_temperature) instead of softmax(processed scores).
             Lossless for any value > 0: verification reads the exact distribution the draft drew from. Below 1 it
@@ -218,6 +225,7 @@ class SpeculativeConfig:
     fused_round: bool | str = "auto"
     compile: bool | str = "auto"
     compile_draft: bool | str = "auto"
+    compile_verify: bool = False
     draft_temperature: float = 1.0
     verification: str = "block"
     candidates: int = 1
@@ -232,6 +240,7 @@ class SpeculativeConfig:
         "dspark_fused_round": "fused_round",
         "dspark_compile": "compile",
         "dspark_compile_draft": "compile_draft",
+        "dspark_compile_verify": "compile_verify",
         "dspark_draft_temperature": "draft_temperature",
         "dspark_verification": "verification",
         "dspark_candidates": "candidates",
@@ -265,6 +274,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value not in (True, False, "auto"):
                 raise ValueError(f"dspark_{name} must be True, False or 'auto', got {value!r}")
+        if not isinstance(self.compile_verify, bool):
+            raise ValueError(f"dspark_compile_verify must be True or False, got {self.compile_verify!r}")
         if not 0.0 < float(self.draft_temperature) < float("inf"):
             raise ValueError(
                 f"dspark_draft_temperature must be a positive number, got {self.draft_temperature} (1.0: the draft's "
@@ -596,6 +607,11 @@ class _Decoder:
         if config.compile_draft is True and not self.static_draft:
             raise ValueError("dspark_compile_draft=True compiles the static draft path's functions, but the static "
                              "draft path is not in use (dspark_draft_graphs)")
+        self.compile_verify = config.compile_verify
+        if self.compile_verify and not self.fused:
+            raise ValueError("dspark_compile_verify=True compiles the fused round's verification, but this call does "
+                             f"not run fused rounds{': ' + fused_why_not if fused_why_not else ''} (add "
+                             "dspark_fused_round=True where it can run)")
         self.stats = SpeculativeStats(
             drafter=getattr(draft.config, "model_type", type(draft).__name__),
             schedule=config.schedule,
@@ -770,6 +786,7 @@ class _Decoder:
                     tuple(self.eos_ids.tolist()) if self.eos_ids is not None else (), self.num_tokens, capacity,
                     capture=device.type == "cuda", compile_draft=self.compile_draft,
                     verification=self.config.verification, candidates=self.candidates,
+                    compile_verify=self.compile_verify,
                 )
                 fused.reset()
                 dcache = fused.dcache
