@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from conftest import make_tiny_target
+from conftest import load_script, make_tiny_target
 
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model
 from hf_dspark.cli import main
@@ -203,6 +203,53 @@ def test_eval_without_the_eager_baseline(workdir, capsys):
                  str(workdir / "out-none"), "--no_progress", "--no_plots", "--static_baseline", "false",
                  "--eager_baseline", "false"])  # fmt: skip
     assert code == 2 and "pass static_baseline=True (--static_baseline true)" in capsys.readouterr().err
+
+
+def test_one_draft_under_two_names_decodes_with_its_own_options(workdir, capsys):
+    """--draft_kwargs NAME=JSON: options for one draft over --generate_kwargs, so the same folder under two names
+    decodes side by side (same prompts, seeds and baselines); recorded in the settings, the command and the report,
+    and compare_evals pairs the two rows of the one run. A name that is no draft is refused."""
+    import hf_dspark.evaluation.runner as runner
+
+    out = workdir / "out-per-draft"
+    seen = []
+    original = runner._generate
+
+    def generate(target, inputs, generation_config, eos_ids, draft=None, generate_kwargs=None, static=None):
+        if draft is not None:
+            seen.append(dict(generate_kwargs))
+        return original(target, inputs, generation_config, eos_ids, draft, generate_kwargs, static)
+
+    runner._generate = generate
+    path = str(workdir / "dspark")
+    try:
+        code = main([
+            "eval", "--target", str(workdir / "target"), "--draft", f"k1={path}", "--draft", f"k2={path}", "--data",
+            str(workdir / "prompts.jsonl"), "--num_prompts", "2", "--max_new_tokens", "6", "--output_dir", str(out),
+            "--no_progress", "--no_plots", "--temperature", "1", "--generate_kwargs", '{"dspark_verification": "token"}',
+            "--draft_kwargs", 'k2={"dspark_candidates": 2}',
+        ])  # fmt: skip
+    finally:
+        runner._generate = original
+    assert code == 0
+    both = {"dspark_verification": "token"}
+    assert both in seen and {**both, "dspark_candidates": 2} in seen and len(seen) >= 4
+    data = json.loads((out / "results.json").read_text())
+    assert data["settings"]["draft_generate_kwargs"] == {"k2": {"dspark_candidates": 2}}
+    assert "--draft_kwargs" in data["command"] and '"dspark_candidates": 2' in data["command"]
+    assert "k2's generate() options" in (out / "results.md").read_text()
+    assert {row["drafter"] for row in data["results"]} == {"k1", "k2"}
+    compare = load_script("benchmarks/compare_evals.py")
+    paired = compare.compare({"k1": data, "k2": data}, ["k1", "k2"])["1"]
+    assert "tau_vs_reference" in paired["k2"]
+    capsys.readouterr()
+    code = main(["eval", "--target", str(workdir / "target"), "--draft", path, "--data", str(workdir / "prompts.jsonl"),
+                 "--num_prompts", "1", "--max_new_tokens", "2", "--output_dir", str(workdir / "out-bad"),
+                 "--no_progress", "--no_plots", "--draft_kwargs", 'k9={"dspark_candidates": 2}'])  # fmt: skip
+    assert code == 2 and "not among the drafts" in capsys.readouterr().err
+    code = main(["eval", "--target", str(workdir / "target"), "--draft", path, "--data", str(workdir / "prompts.jsonl"),
+                 "--output_dir", str(workdir / "out-bad"), "--draft_kwargs", "k2=3"])  # fmt: skip
+    assert code == 2 and "is not NAME=JSON" in capsys.readouterr().err
 
 
 def test_missing_prompt_file_names_the_expected_format(workdir, tmp_path, capsys):

@@ -44,6 +44,12 @@ class EvalArguments:
     seed: int = field(0, help="generate() call i is seeded with seed + i")
     generate_kwargs: str | None = field(None, help="extra generate() arguments for the draft runs only, as a JSON "
                                         "object (e.g. confidence-scheduler options)", metavar="JSON")  # fmt: skip
+    draft_kwargs: list[str] | None = field(None, help="generate() arguments for one draft as NAME=JSON, over "
+                                           "--generate_kwargs; repeat per draft. The same draft folder under two "
+                                           "names decodes side by side with other options (same prompts, seeds and "
+                                           "baselines in one process), e.g. --draft k1=runs/d --draft k2=runs/d "
+                                           "--draft_kwargs 'k2={\"dspark_candidates\": 2}'",
+                                           action="extend", metavar="NAME=JSON")  # fmt: skip
     n_bins: int = field(15, help="bins of the expected calibration error")
     static_baseline: str = field("auto", help="also time the target alone with a static cache (compiled by "
                                  "generate() on CUDA), the fastest target-alone baseline; rows gain "
@@ -65,6 +71,17 @@ class EvalArguments:
                 raise ValueError(f"--generate_kwargs is not valid JSON: {err}") from None
             if not isinstance(self.generate_kwargs, dict):
                 raise ValueError("--generate_kwargs must be a JSON object, e.g. '{\"num_assistant_tokens\": 5}'")
+        self.draft_generate_kwargs = {}
+        for spec in self.draft_kwargs or []:
+            name, sep, text = spec.partition("=")
+            try:
+                value = json.loads(text) if sep and name else None
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--draft_kwargs {spec!r}: the part after NAME= is not valid JSON: {err}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"--draft_kwargs {spec!r} is not NAME=JSON with a JSON object, e.g. "
+                                 "'k2={\"dspark_candidates\": 2}'")  # fmt: skip
+            self.draft_generate_kwargs[name] = value
 
 
 def register(subparsers) -> None:
@@ -103,6 +120,8 @@ def _command_line(args: EvalArguments) -> str:
     parts += ["--target_dtype", args.target_dtype, "--output_dir", args.output_dir]
     if args.generate_kwargs:
         parts += ["--generate_kwargs", json.dumps(args.generate_kwargs)]
+    for name, kwargs in args.draft_generate_kwargs.items():
+        parts += ["--draft_kwargs", f"{name}={json.dumps(kwargs)}"]
     if args.static_baseline != "auto":
         parts += ["--static_baseline", args.static_baseline]
     if args.eager_baseline != "true":
@@ -158,6 +177,7 @@ def run_eval(args: EvalArguments) -> int:
         seed=args.seed,
         output_dir=args.output_dir,
         generate_kwargs=args.generate_kwargs,
+        draft_generate_kwargs=args.draft_generate_kwargs,
         warmup=not args.no_warmup,
         progress=not args.no_progress,
         n_bins=args.n_bins,

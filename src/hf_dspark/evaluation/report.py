@@ -184,6 +184,8 @@ def results_markdown(results) -> str:
     out += _timing_notes(results)
     if settings.get("generate_kwargs"):
         out.append(f"- draft generate() options: `{json.dumps(settings['generate_kwargs'])}`")
+    for name, kwargs in (settings.get("draft_generate_kwargs") or {}).items():
+        out.append(f"- {name}'s generate() options: `{json.dumps(kwargs)}`")
     if results.command:
         out.append(f"- command: `{results.command}`")
     for temp in temperatures:

@@ -290,6 +290,7 @@ def evaluate_drafts(
     seed: int = 0,
     output_dir: str | Path | None = None,
     generate_kwargs: dict | None = None,
+    draft_generate_kwargs: dict[str, dict] | None = None,
     warmup: bool = True,
     progress: bool = True,
     n_bins: int = 15,
@@ -305,7 +306,9 @@ def evaluate_drafts(
     drafts: {name: draft model}; datasets: {name: JSONL path} or a list of paths (named by file stem), rows
     `{"turns": [...]}` (first turn used); num_prompts: the first N prompts of every file (None: all);
     temperature: one value or several (0 = greedy), each giving its own rows; top_k=0 / top_p=1.0 mean off;
-    generate_kwargs: extra arguments for the draft generate() calls only (e.g. scheduler options).
+    generate_kwargs: extra arguments for the draft generate() calls only (e.g. scheduler options);
+    draft_generate_kwargs: {draft name: arguments} over those for one draft (the same draft loaded under two names
+    with other options decodes side by side: same prompts, seeds and baselines in one process).
     static_baseline: also time the target alone on transformers' static cache (transformers compiles its decoding
     step on CUDA: the fastest target-alone baseline), with one cache length for every call of the run and each
     batch shape warmed up untimed (`static_baseline.StaticTargetBaseline`); rows then carry
@@ -323,6 +326,10 @@ def evaluate_drafts(
 
     if not drafts:
         raise ValueError("no drafts to evaluate: pass at least one {name: draft}")
+    unknown = sorted(set(draft_generate_kwargs or {}) - set(drafts))
+    if unknown:
+        raise ValueError(f"generate options for {unknown}, which are not among the drafts {sorted(drafts)}: name the "
+                         "draft as NAME=PATH with --draft")  # fmt: skip
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size} and {max_new_tokens}")
     temperatures = [float(temperature)] if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
@@ -369,6 +376,7 @@ def evaluate_drafts(
 
     def run(model_name, draft, rendered, gen_config, desc, static=None):
         batches = [rendered[i : i + batch_size] for i in range(0, len(rendered), batch_size)]
+        call_kwargs = {**(generate_kwargs or {}), **(draft_generate_kwargs or {}).get(model_name, {})}
         warm_key = (model_name, gen_config.temperature if gen_config.do_sample else 0.0)
         if warmup and static is not None:
             # The compiled step is specialised on the batch shape: each new one is compiled here, untimed.
@@ -381,7 +389,7 @@ def evaluate_drafts(
             # left the first measured rows (greedy target alone, run first) 1.5-2.6x slower per step than the
             # same target later in the process on an H200 (65 / 38 / 34 ms per step, then 25 ms at T = 1).
             warm_config = copy.deepcopy(gen_config)
-            _generate(target, _left_pad(longest_batch, pad_id, device), warm_config, eos_ids, draft, generate_kwargs)
+            _generate(target, _left_pad(longest_batch, pad_id, device), warm_config, eos_ids, draft, call_kwargs)
             warmed.add(warm_key)
         calls = []
         with tqdm(total=len(rendered), desc=desc, unit="prompt", disable=not progress, leave=False) as bar:
@@ -392,7 +400,7 @@ def evaluate_drafts(
                 # neighbours' time) runs again from the same seed, and the warm timing is kept. Draft calls are
                 # cheap and rehearsed: each batch's first prefill pays for work no counter sees.
                 warm = run_warm(
-                    lambda: _generate(target, inputs, gen_config, eos_ids, draft, generate_kwargs, static), warmup,
+                    lambda: _generate(target, inputs, gen_config, eos_ids, draft, call_kwargs, static), warmup,
                     rehearse=warmup and draft is not None,
                 )
                 call = warm.result
@@ -426,6 +434,7 @@ def evaluate_drafts(
             "warmup": warmup,
             "draft_calls_rehearsed": warmup,
             "generate_kwargs": dict(generate_kwargs or {}),
+            "draft_generate_kwargs": {name: dict(kw) for name, kw in (draft_generate_kwargs or {}).items()},
             "static_baseline": static_baseline,
             "eager_baseline": eager_baseline,
             "static_cache_len": static.cache_len if static is not None else None,
