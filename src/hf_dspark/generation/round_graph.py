@@ -172,7 +172,7 @@ class FusedRoundRunner:
         committed = slot[None, :] < prefix.clamp(max=keep)[:, None]
         target.key_valid.scatter_(1, (target.length_t + slot)[None, :].expand_as(committed), committed)
         target.length_t += keep
-        self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
+        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
         return prefix, new_tokens, continuing
 
     def _tree_round(self) -> None:
@@ -213,7 +213,7 @@ class FusedRoundRunner:
         target.key_valid.scatter_(1, (target.length_t + self.window_cols)[None, :].expand_as(committed), committed)
         target.length_t += keep
         path_features = features.gather(1, path[..., None].expand(-1, -1, features.shape[-1]))
-        self.out.copy_(torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)]))
+        torch.stack([counts, finished.long(), accepted, caps, keep.expand_as(accepted)], out=self.out)
         return prefix, path_features, new_tokens, continuing
 
     # -- the two rounds' shared steps -----------------------------------------------------------------------
@@ -225,8 +225,7 @@ class FusedRoundRunner:
         running = self.running
         # Each running row commits a prefix of its window (none where idle): the draft's context extends by these
         # counts whatever EOS cuts, as the target's cache keeps them.
-        prefix = self.draft_runner.counts  # (the draft's extension reads them there)
-        prefix.copy_((accepted + 1) * running)
+        prefix = torch.mul(accepted + 1, running, out=self.draft_runner.counts)  # (the draft's extension reads them)
         counts = prefix
         if self.eos is not None:
             counts, stopped = cut_at_stop(new_tokens, prefix, self.eos)
