@@ -10,12 +10,13 @@ Compares, on the same prompts and settings, at each batch size and temperature:
   <draft>/static, /dynamic, /eager, /fused, /compiled, /compiled-draft, /fused-compiled-draft,
   /fused-compiled-verify   with
                 --compare-paths: the static verification path in separate graphs with its verify forward uncompiled,
-                the dynamic cache, no CUDA graphs at all, whole rounds as one graph with the draft uncompiled
-                (dspark_fused_round; verify forward compiled as by default), separate graphs with the verify
-                forward compiled before capture (dspark_compile), and with the draft's proposal and extension
-                compiled too (dspark_compile_draft), separately or inside the fused round (the default on CUDA
-                where the fused round applies), and the fused round's verification and commit compiled as well
-                (dspark_compile_verify). Paths named explicitly also run each --candidates K (<draft>+kK/PATH)
+                the dynamic cache, no CUDA graphs at all, whole rounds as one graph with the draft and the
+                verification uncompiled (dspark_fused_round; verify forward compiled as by default), separate graphs
+                with the verify forward compiled before capture (dspark_compile), and with the draft's proposal and
+                extension compiled too (dspark_compile_draft), separately or inside the fused round, and the fused
+                round's verification and commit compiled as well (dspark_compile_verify; with the compiled draft,
+                the default on CUDA where the fused round applies). Paths named explicitly also run each
+                --candidates K (<draft>+kK/PATH)
   target+static-cache   with --static-target: transformers' static-cache generate() of the target (compiled by
                 generate() on CUDA), the fastest target-alone baseline. Not plain cache_implementation="static":
                 generate() sizes each call's new StaticCache by that call's prompt length + max_new_tokens (never
@@ -84,12 +85,13 @@ PATHS = {
     "static": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": False},
     "dynamic": {"dspark_target_graphs": False},
     "eager": {"dspark_target_graphs": False, "dspark_draft_graphs": False},
-    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile_draft": False},
+    "fused": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile_draft": False,
+              "dspark_compile_verify": False},
     "compiled": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": True},
     "compiled-draft": {"dspark_target_graphs": True, "dspark_fused_round": False, "dspark_compile": True,
                        "dspark_draft_graphs": True, "dspark_compile_draft": True},
     "fused-compiled-draft": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile": True,
-                             "dspark_compile_draft": True},
+                             "dspark_compile_draft": True, "dspark_compile_verify": False},
     "fused-compiled-verify": {"dspark_target_graphs": True, "dspark_fused_round": True, "dspark_compile": True,
                               "dspark_compile_draft": True, "dspark_compile_verify": True},
 }
@@ -119,12 +121,13 @@ def parse_args(argv=None):
     parser.add_argument("--compare-paths", nargs="*", default=None, choices=list(PATHS), metavar="PATH",
                         help="also time each draft on these decoding paths (no names: all): static "
                         "(dspark_target_graphs=True, separate graphs, dspark_compile=False), dynamic "
-                        "(dspark_target_graphs=False), eager (no CUDA graphs at all), fused (whole rounds as one graph, "
-                        "dspark_fused_round=True; the default on CUDA), compiled (separate graphs, the verify forward "
-                        "compiled), compiled-draft (the draft's functions compiled too, dspark_compile_draft=True), "
-                        "fused-compiled-draft (both in the fused round) and fused-compiled-verify (the round's "
-                        "verification and commit compiled too, dspark_compile_verify=True); paths named here also run "
-                        "each --candidates K")
+                        "(dspark_target_graphs=False), eager (no CUDA graphs at all), fused (whole rounds as one "
+                        "graph, dspark_fused_round=True, its draft and verification uncompiled), compiled (separate "
+                        "graphs, the verify forward compiled), compiled-draft (the draft's functions compiled too, "
+                        "dspark_compile_draft=True), fused-compiled-draft (both in the fused round) and "
+                        "fused-compiled-verify (the round's verification and commit compiled too, "
+                        "dspark_compile_verify=True: the default on CUDA); paths named here also run each "
+                        "--candidates K")
     parser.add_argument("--json", default="generation_speed.json", help="where to write the results")
     parser.add_argument("--smoke", action="store_true", help="tiny random target and drafts (CPU test of the script)")
     parser.add_argument("--smoke-depth", choices=("tiny", "smollm2"), default="tiny",

@@ -504,7 +504,8 @@ def test_compiled_verification_inside_the_fused_round(candidates):
 
 def test_compile_defaults_to_cuda_only():
     """dspark_compile="auto" (the default) compiles only where the static path runs on CUDA: a static path forced
-    on CPU stays uncompiled (nothing goes through dynamo), and a value outside True/False/"auto" names the choices."""
+    on CPU stays uncompiled (nothing goes through dynamo), and a value outside True/False/"auto" names the choices;
+    the same for dspark_compile_verify in a fused round."""
     from torch._dynamo.utils import counters
 
     target = _target("llama", "sdpa")
@@ -517,6 +518,14 @@ def test_compile_defaults_to_cuda_only():
     assert counters["frames"]["ok"] == 0
     with pytest.raises(ValueError, match="dspark_compile must be True, False or 'auto'"):
         target.generate(ids, attention_mask=mask, assistant_model=draft, dspark_compile="yes", **kw)
+    # dspark_compile_verify="auto" likewise: a fused round forced on CPU keeps its verification uncompiled.
+    from hf_dspark.generation.round_graph import _RUNNERS
+
+    fused = dict(assistant_model=draft, dspark_target_graphs=True, dspark_fused_round=True, **kw)
+    assert torch.equal(target.generate(ids, attention_mask=mask, **fused), out)
+    assert not _RUNNERS[draft][1].compiled and counters["frames"]["ok"] == 0
+    with pytest.raises(ValueError, match="dspark_compile_verify must be True, False or 'auto'"):
+        target.generate(ids, attention_mask=mask, dspark_compile_verify="yes", **fused)
 
 
 def test_compiled_verify_forward_matches_and_serves_later_calls():
