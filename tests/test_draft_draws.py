@@ -44,6 +44,26 @@ def test_sample_without_replacement_draws_in_order_from_what_is_left():
         sample_without_replacement(p[None], 6)
 
 
+def test_rejection_step_by_hand():
+    """One recursive-rejection step on numbers worked by hand: the candidate's q_i, the target's residual mass
+    there, the next residual normalize((r - q_i)+), and q less the candidate; with replacement q stays whole."""
+    from hf_dspark.sampling import rejection_step
+
+    r = torch.tensor([[0.2, 0.5, 0.3, 0.0]])
+    q_left = torch.tensor([[0.0, 0.3, 0.2, 0.1]])  # q = (0.4, 0.3, 0.2, 0.1) after candidate 0 was drawn
+    q_x, r_x, after, rest = rejection_step(r, q_left, torch.tensor([[1]]))
+    assert torch.allclose(q_x, torch.tensor([0.5])) and torch.allclose(r_x, torch.tensor([0.5]))
+    # q_i = (0, 0.5, 1/3, 1/6): r - q_i = (0.2, 0, -1/30, -1/6) -> (1, 0, 0, 0)
+    assert torch.allclose(after, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert torch.equal(rest, torch.tensor([[0.0, 0.0, 0.2, 0.1]]))
+    q = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    q_x, r_x, after, rest = rejection_step(r, q, torch.tensor([[2]]), replacement=True)
+    assert torch.allclose(q_x, torch.tensor([0.2])) and torch.allclose(r_x, torch.tensor([0.3]))
+    assert torch.allclose(after, torch.tensor([[0.0, 0.2, 0.1, 0.0]]) / 0.3) and rest is q
+    # r equal to q: nothing is left to reject into, so the residual stays r.
+    assert torch.equal(rejection_step(q, q, torch.tensor([[0]]), replacement=True)[2], q)
+
+
 @pytest.fixture(scope="module")
 def target():
     return make_tiny_target("llama", vocab_size=96)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .sampling import sample_without_replacement
+from .sampling import rejection_step, sample_without_replacement
 
 
 @dataclass
@@ -306,16 +306,11 @@ def _distinct_candidates_acceptance(p, q, candidates, samples, generator) -> tor
         drawn = sample_without_replacement(q_left, candidates, generator)
         failing = torch.ones(residual.shape[0], device=p.device)
         for i in range(candidates):
-            x = drawn[:, i, None]
-            q_i = q_left / q_left.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-            q_x, r_x = q_i.gather(1, x).squeeze(1), residual.gather(1, x).squeeze(1)
+            q_x, r_x, after, q_left = rejection_step(residual, q_left, drawn[:, i, None])
             chance = torch.where(q_x > 0, (r_x / q_x.clamp_min(1e-30)).clamp(max=1), 0.0)  # (q_x = 0: no draw left)
             failing = failing * (1 - chance)
             out[part, i] = 1 - failing.view(rows, samples).mean(-1)
-            left = (residual - q_i).clamp(min=0)
-            mass = left.sum(-1, keepdim=True)
-            residual = torch.where((q_x > 0)[:, None] & (mass > 1e-12), left / mass.clamp_min(1e-30), residual)
-            q_left = q_left.scatter(1, x, 0.0)
+            residual = torch.where((q_x > 0)[:, None], after, residual)
     return out.view(*p.shape[:-1], candidates)
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import sample_from
+from ..sampling import rejection_step, sample_from
 from .spare_mass import spare_mass
 
 VERIFICATIONS = ("block", "token")
@@ -161,23 +161,12 @@ def verify_candidates(
         q_left = draft_probs[:, 0, 0].float()  # q_1, less the earlier candidates when drawn without replacement
         chain = torch.full((rows,), -1, dtype=torch.long, device=residual.device)
         for i in range(k):
-            x = first_tokens[:, i, None]
-            q_i = q_left
-            if not replacement and i:
-                mass = q_left.sum(dim=-1, keepdim=True)
-                q_i = q_left / mass.clamp_min(1e-30)
-            q_x = q_i.gather(1, x).squeeze(1)
+            q_x, r_x, after, q_left = rejection_step(residual, q_left, first_tokens[:, i, None], replacement)
             u = torch.rand(rows, device=residual.device, generator=generator)
             pending = (chain < 0) & proposed & (q_x > 0)  # (q_x = 0: no draw was left for this candidate)
-            accept = pending & (u * q_x < residual.gather(1, x).squeeze(1))
+            accept = pending & (u * q_x < r_x)
             chain = torch.where(accept, i, chain)
-            left = (residual - q_i).clamp_min(0)
-            mass = left.sum(dim=-1, keepdim=True)
-            # r == q up to rounding makes a rejection (almost) impossible; keep r rather than divide by ~0.
-            left = torch.where(mass > 1e-12, left / mass.clamp_min(1e-30), residual)
-            residual = torch.where((pending & ~accept)[:, None], left, residual)
-            if not replacement:
-                q_left = q_left.scatter(1, x, 0.0)
+            residual = torch.where((pending & ~accept)[:, None], after, residual)
         first_next = sample_from(residual, generator)
     picked = chain.clamp(min=0)
     scores = target_scores[:, 1:].reshape(rows, k, n, vocab)[row, picked]  # [R, n, V]: after the chain's slots
