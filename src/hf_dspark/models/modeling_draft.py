@@ -333,8 +333,16 @@ class DraftPreTrainedModel(PreTrainedModel):
         vocab_slice: slice | None = None,
     ) -> torch.Tensor:
         """Logits of the draft for (a slice of) the vocabulary: lm_head(h) + W2 z, soft-capped like the target."""
-        vocab_slice = vocab_slice or slice(None)
-        return self.finish_logits(F.linear(hidden, self.lm_head.weight[vocab_slice]), markov_features, vocab_slice)
+        return self.finish_logits(self.base_logits(hidden, vocab_slice), markov_features, vocab_slice)
+
+    def base_logits(self, hidden: torch.Tensor, vocab_slice: slice | None = None) -> torch.Tensor:
+        """lm_head(h) over [..., d] as one matrix product. F.linear on a 3-D input that is not a view of rows (a
+        block's first n slots, sliced from its K) does not fold the batch into rows: it runs a batched product that
+        reads the weight once per batch entry, here the whole vocabulary projection once per row (on an H100 such a
+        product for 16 rows of one slot took 0.23 ms, where a batch-16 round's other vocabulary projections took
+        about 0.03 ms each)."""
+        weight = self.lm_head.weight[vocab_slice or slice(None)]
+        return F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], weight.shape[0])
 
     def finish_logits(
         self, base_logits: torch.Tensor, markov_features: torch.Tensor | None = None, vocab_slice: slice | None = None

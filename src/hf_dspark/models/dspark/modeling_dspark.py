@@ -16,7 +16,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 
@@ -234,43 +233,59 @@ class DSparkModel(DraftPreTrainedModel):
         if not 1 <= candidates:
             raise ValueError(f"candidates must be >= 1, got {candidates}")
         hidden = self._block_hidden(cache, anchor_ids, num_tokens)
-        first = None
-        if candidates > 1:  # the first slot's distribution does not depend on the chain: score it once
-            one = self._sample_block(hidden[:, :1], anchor_ids, sampler, None, None, return_logits=True)
-            if candidates > one.logits.shape[-1]:
-                raise ValueError(f"candidates={candidates} exceeds the vocabulary ({one.logits.shape[-1]} tokens)")
-            # Sampling: the distribution the slot's own draw used; greedy: top-k of the processed scores.
-            probs = one.probs[:, 0] if sampler.do_sample else sampler.process(one.logits[:, 0])
-            first = sampler.select_distinct(probs, candidates).reshape(-1)
-        hidden = hidden.repeat_interleave(candidates, dim=0)
-        anchors = anchor_ids.repeat_interleave(candidates, dim=0)
-        proposal = self._sample_block(hidden, anchors, sampler, None, None, return_logits=False, first_tokens=first)
-        if first is not None and sampler.do_sample:  # the first slot's q is the one the candidates were drawn from
-            rows = anchor_ids.shape[0]
-            proposal.probs.view(rows, candidates, *proposal.probs.shape[1:])[:, :, 0] = probs[:, None]
+        if candidates == 1:
+            proposal = self._sample_block(hidden, anchor_ids, sampler, None, None, return_logits=False)
+            proposal.confidences = proposal.confidence_logits = None
+            return proposal
+        # The chains share the block's layers, so their lm_head logits too: one projection for all k (only the
+        # Markov bias, which reads each chain's previous token, differs between them).
+        base_logits = self.base_logits(hidden)
+        # The first slot's distribution does not depend on the chain either: scored and drawn from once.
+        one = self._sample_block(hidden[:, :1], anchor_ids, sampler, None, None, return_logits=True,
+                                 base_logits=base_logits[:, :1])  # fmt: skip
+        if candidates > one.logits.shape[-1]:
+            raise ValueError(f"candidates={candidates} exceeds the vocabulary ({one.logits.shape[-1]} tokens)")
+        # Sampling: the distribution the slot's own draw used; greedy: top-k of the processed scores.
+        first_probs = one.probs[:, 0] if sampler.do_sample else sampler.process(one.logits[:, 0])
+        first_tokens = sampler.select_distinct(first_probs, candidates).reshape(-1)
+        repeat = lambda t: t.repeat_interleave(candidates, dim=0)  # noqa: E731  (row r's chain c at r * k + c)
+        first = (first_tokens, repeat(first_probs) if sampler.do_sample else None)
+        proposal = self._sample_block(repeat(hidden), repeat(anchor_ids), sampler, None, None, return_logits=False,
+                                      first=first, base_logits=repeat(base_logits))  # fmt: skip
         proposal.confidences = proposal.confidence_logits = None
         return proposal
 
     def _sample_block(self, hidden, anchor_ids, sampler, input_ids, draft_tokens, return_logits,
-                      first_tokens=None) -> DraftProposal:
+                      first=None, base_logits=None) -> DraftProposal:
         """Left-to-right sampling through the Markov head; without one (DFlash) and with processors that do not
         read the sequence (`input_ids` is None), every slot is drawn in one batched call. Logits are cast to
         float32 here only when returned: otherwise the sampler casts what it processes, and a greedy draw without
-        processors argmaxes them as they are (`TokenSampler.draw`). `first_tokens` [R]: the first slot's tokens,
-        chosen by the caller (`propose_chains`) from this slot's distribution, in place of the slot's own draw."""
+        processors argmaxes them as they are (`TokenSampler.draw`). `first` (tokens [R], probs [R, V] or None when
+        greedy): the first slot's draw, made by the caller (`propose_chains`) from this slot's distribution; the
+        slot is then not scored or drawn again (no logits are returned). `base_logits` [R, n, V]: lm_head(hidden),
+        when the caller has it."""
         cfg = self.config
         rows, n, _ = hidden.shape
-        base_logits = F.linear(hidden, self.lm_head.weight)  # [R, n, V], once for the whole block
+        if first is not None and return_logits:
+            raise ValueError("a block with its first slot given returns no logits")
+        if base_logits is None:
+            base_logits = self.base_logits(hidden)  # [R, n, V], once for the whole block
         if not cfg.has_markov_head and input_ids is None:
-            logits = self.finish_logits(base_logits)
+            # Every slot at once, as the rows of one draw (after a given first slot: the later slots do not read it).
+            skip = 0 if first is None else 1
+            logits = self.finish_logits(base_logits[:, skip:])
             logits = logits.float() if return_logits else logits
-            forced = None if draft_tokens is None else draft_tokens.reshape(rows * n, 1)
-            # Every slot at once, as the rows of one draw.
-            probs, tokens = self._draw(sampler, logits.reshape(rows * n, -1), None, [], forced, 0)
-            probs = None if probs is None else probs.view(rows, n, -1)
-            tokens = tokens.view(rows, n)
-            if first_tokens is not None:  # (no Markov head: later slots do not read the first one)
-                tokens = torch.cat([first_tokens[:, None], tokens[:, 1:]], dim=1)
+            forced = None if draft_tokens is None else draft_tokens[:, skip:].reshape(rows * (n - skip), 1)
+            if n > skip:
+                probs, tokens = self._draw(sampler, logits.reshape(rows * (n - skip), -1), None, [], forced, 0)
+                probs = None if probs is None else probs.view(rows, n - skip, -1)
+                tokens = tokens.view(rows, n - skip)
+            else:  # a one-slot block whose slot was given
+                tokens = base_logits.new_zeros(rows, 0, dtype=torch.long)
+                probs = None if first[1] is None else first[1].new_zeros(rows, 0, first[1].shape[-1])
+            if first is not None:
+                tokens = torch.cat([first[0][:, None], tokens], dim=1)
+                probs = None if probs is None else torch.cat([first[1][:, None].to(probs.dtype), probs], dim=1)
             confidence_logits = self.confidence_head(hidden).float() if cfg.enable_confidence_head else None
             return self._proposal(tokens, probs, logits if return_logits else None, confidence_logits)
         prev = anchor_ids
@@ -283,13 +298,17 @@ class DSparkModel(DraftPreTrainedModel):
                 prev_embed = self.markov_head.embed(prev).to(h_k.dtype)
                 z, state = self.markov_head.step(h_k, prev_embed, state)
                 prev_embeds.append(prev_embed)
+            if k == 0 and first is not None:  # drawn by the caller: only the Markov state steps through the slot
+                x_k, p_k = first
+                tokens.append(x_k)
+                probs.append(p_k)
+                prev = x_k
+                continue
             step_logits = self.finish_logits(base_logits[:, k], z)
             if return_logits:  # cast once: the sampler's own cast is then a no-op, the stored logits this tensor
                 step_logits = step_logits.float()
                 logits.append(step_logits)
             p_k, x_k = self._draw(sampler, step_logits, input_ids, tokens, draft_tokens, k)
-            if k == 0 and first_tokens is not None:
-                x_k = first_tokens
             tokens.append(x_k)
             probs.append(p_k)
             prev = x_k
