@@ -1,17 +1,20 @@
 """What one draft proposal (a round's block draw) issues: aten operators per drafter and temperature, and on CUDA
-the time of a proposal replayed as the decoding loop replays it (`StaticDraftRunner`, one CUDA graph). With
+the time of a proposal replayed as the decoding loop replays it (`StaticDraftRunner`, one CUDA graph; eagerly on
+CPU). With
 `--round`, the operators of one whole fused round instead (`round_graph.FusedRoundRunner`: proposal, the target's
 verify forward, counted apart, verification, commit, the draft's context extension), run eagerly.
 
 A speculative round at batch 16 is bound by kernel launches, not arithmetic, so the operator count of the draw is
 what separates the drafters' round costs: DSpark draws its block slot by slot through its Markov head, DFlash in
-one batched call, Eagle3 one forward per slot. On CPU the script counts (no timing); on CUDA it also times a
-proposal (rounds are timed by generation_speed.py).
+one batched call, Eagle3 one forward per slot. It also times a proposal (rounds are timed by
+generation_speed.py): a CUDA graph's replay on CUDA, the eager call on CPU, where arithmetic rules and a draft of
+the target's width (`--hidden_size 576`, SmolLM2's) shows what a proposal's matrix products cost.
 
     python benchmarks/draft_draw_ops.py --device cpu --json OUT.json              # tiny random target, vocab 49152
     python benchmarks/draft_draw_ops.py --target TARGET --device cuda --json OUT.json
     python benchmarks/draft_draw_ops.py --round --device cpu --json OUT.json      # whole rounds
     python benchmarks/draft_draw_ops.py --round --candidates 1 2 4 --drafters dspark --device cpu  # tree rounds
+    python benchmarks/draft_draw_ops.py --device cpu --hidden_size 576 --candidates 1 4  # proposals, timed
 
 Counts are dispatched aten operators without views and allocations (what launches work); `torch.multinomial`
 counts once here but runs about 13 kernels on CUDA (its input checks, then the exponential race), listed apart.
@@ -65,11 +68,14 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=128, help="context positions in the draft's cache")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--replays", type=int, default=200, help="timed replays per configuration (CUDA)")
+    p.add_argument("--replays", type=int, default=None, help="timed proposals per configuration (default: 200 "
+                   "replays on CUDA, 5 eager calls on CPU)")
+    p.add_argument("--hidden_size", type=int, default=64, help="the random target's width (and so the draft's); "
+                   "SmolLM2-135M's is 576")
     p.add_argument("--round", action="store_true", help="count a whole fused round (the second of a call)")
     p.add_argument("--candidates", type=int, nargs="+", default=[1], metavar="K",
-                   help="with --round: first-slot candidates a round (dspark_candidates; K > 1: a tree round, "
-                   "block drafters only)")
+                   help="first-slot candidates a round (dspark_candidates; K > 1: k chains proposed, with --round "
+                   "a tree round; block drafters only)")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
 
@@ -80,14 +86,15 @@ def load_target(args, device, dtype):
     if args.target:
         return AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
     config = AutoConfig.for_model(
-        "llama", vocab_size=args.vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        "llama", vocab_size=args.vocab, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
     )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
-def measure(args, target, name: str, temperature: float, device, dtype) -> dict:
+def measure(args, target, name: str, temperature: float, device, dtype, candidates: int = 1) -> dict:
     torch.manual_seed(0)
     layers = 1 if name == "eagle3" else args.num_hidden_layers  # Eagle3 drafts have one decoder layer
     draft = DRAFTERS[name].from_target(target, num_hidden_layers=layers, block_size=args.block_size)
@@ -99,26 +106,31 @@ def measure(args, target, name: str, temperature: float, device, dtype) -> dict:
     cache = draft.new_context_cache(args.rows, capacity=args.context + 8 * (args.block_size + 1))
     draft.extend_context(cache, feats[:, :-1].to(dtype), next_token_ids=ids[:, 1:])
     sampler = TokenSampler(do_sample=temperature > 0, temperature=temperature if temperature > 0 else 1.0)
-    runner = StaticDraftRunner(draft, cache, sampler, args.block_size, capture=device.type == "cuda")
+    runner = StaticDraftRunner(draft, cache, sampler, args.block_size, capture=device.type == "cuda",
+                               candidates=candidates)  # fmt: skip
     runner.anchor_ids.copy_(ids[:, -1])
     ops = OperatorCount()
     with ops:
         runner._run_propose()
     work = sum(ops.names.values())
-    row = {"drafter": name, "temperature": temperature, "operators": work,
+    row = {"drafter": name, "temperature": temperature, "candidates": candidates, "operators": work,
            "multinomial_calls": ops.names["multinomial"], "softmax_calls": ops.names["_softmax"],
            "float_casts": ops.names["_to_copy"], "top_operators": dict(ops.names.most_common(12))}
-    if device.type == "cuda":
-        graphs = runner.ready()
-        rows = torch.arange(args.rows, device=device)
-        for _ in range(10):
-            runner.propose(rows, ids[:, -1], args.block_size)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.replays):
-            runner.propose(rows, ids[:, -1], args.block_size)
-        torch.cuda.synchronize()
-        row.update(cuda_graph=graphs, ms_per_proposal=1000 * (time.perf_counter() - start) / args.replays)
+    cuda = device.type == "cuda"
+    graphs = runner.ready() if cuda else False
+    rows = torch.arange(args.rows, device=device)
+    replays = args.replays or (200 if cuda else 5)
+    propose = (lambda: runner.propose(rows, ids[:, -1], args.block_size)) if candidates == 1 else (
+        lambda: runner.propose_chains(rows, ids[:, -1]))  # fmt: skip
+    for _ in range(10 if cuda else 1):
+        propose()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(replays):
+        propose()
+    sync()
+    row.update(cuda_graph=graphs, ms_per_proposal=1000 * (time.perf_counter() - start) / replays)
     return row
 
 
@@ -201,7 +213,8 @@ def main(argv=None) -> int:
         rows = [measure_round(args, target, name, t, device, dtype, k) for name in args.drafters
                 for t in args.temperatures for k in args.candidates if k == 1 or name != "eagle3"]  # fmt: skip
     else:
-        rows = [measure(args, target, name, t, device, dtype) for name in args.drafters for t in args.temperatures]
+        rows = [measure(args, target, name, t, device, dtype, k) for name in args.drafters for t in args.temperatures
+                for k in args.candidates if k == 1 or name != "eagle3"]  # fmt: skip
     result = {
         "benchmark": "draft_draw_ops" + (" --round" if args.round else ""),
         "command": "draft_draw_ops.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -220,12 +233,13 @@ def main(argv=None) -> int:
                   f"| {r['target_forward_operators']} | {r['draft_proposal_operators']} | {r['other_operators']} "
                   f"| {r['float_casts']} |")
         return 0
-    print("| drafter | T | aten operators | multinomial calls (~13 kernels each on CUDA) | softmax | float casts "
-          "| ms a proposal (CUDA graph) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| drafter | T | candidates | aten operators | multinomial calls (~13 kernels each on CUDA) | softmax "
+          "| float casts | ms a proposal (a CUDA graph's replay; eager on CPU) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ms = f"{r['ms_per_proposal']:.3f}" if "ms_per_proposal" in r else "-"
-        print(f"| {r['drafter']} | {r['temperature']:g} | {r['operators']} | {r['multinomial_calls']} "
+        print(f"| {r['drafter']} | {r['temperature']:g} | {r['candidates']} | {r['operators']} "
+              f"| {r['multinomial_calls']} "
               f"| {r['softmax_calls']} | {r['float_casts']} | {ms} |")
     return 0
 

@@ -203,7 +203,8 @@ def test_train_throughput_smoke_runs_each_variant_as_asked(tmp_path, axis):
 
 def test_draft_draw_ops_counts_every_drafter_and_temperature(tmp_path):
     """benchmarks/draft_draw_ops.py on CPU: a row per drafter and temperature, no multinomial anywhere and no softmax
-    in a greedy draw (the draws this commit made lean), DSpark's slot-by-slot draw dearer than DFlash's batched one."""
+    in a greedy draw (the draws this commit made lean), DSpark's slot-by-slot draw dearer than DFlash's batched one,
+    each proposal timed."""
     module = load_script("benchmarks/draft_draw_ops.py")
     out = tmp_path / "ops.json"
     assert module.main(["--device", "cpu", "--vocab", "512", "--context", "16", "--json", str(out)]) == 0
@@ -212,6 +213,7 @@ def test_draft_draw_ops_counts_every_drafter_and_temperature(tmp_path):
     assert all(r["multinomial_calls"] == 0 for r in rows.values())
     assert all(rows[d, 0.0]["softmax_calls"] == 0 for d in ("dspark", "dflash", "eagle3"))
     assert rows["dspark", 0.0]["operators"] > rows["dflash", 0.0]["operators"]
+    assert all(r["ms_per_proposal"] > 0 and r["cuda_graph"] is False for r in rows.values())  # timed eagerly on CPU
 
 
 def test_draft_draw_ops_round_counts_a_whole_round_with_the_target_apart(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 from generation_utils import OperatorCount, make_draft
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_dspark import TokenSampler, target_features
 from hf_dspark.sampling import sample_from
@@ -136,3 +137,38 @@ def test_chains_share_the_first_slot_distribution_and_each_follows_its_own_first
     assert (first[:, :, None] != first[:, None, :]).sum() == 4 * k * (k - 1)  # k distinct first tokens a row
     assert (tokens[:, 0, 1:] != tokens[:, 1, 1:]).any()  # later slots drawn apart, not copies
     assert sampled.confidences is None
+
+
+class _LmHeadProducts(TorchDispatchMode):
+    """The matrix products that read a given weight: (operator, rows of the output)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.ptr, self.seen = weight.data_ptr(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if name in ("mm", "bmm", "addmm", "matmul") and any(
+            isinstance(a, torch.Tensor) and a.data_ptr() == self.ptr for a in args
+        ):
+            self.seen.append((name, out.numel() // out.shape[-1]))
+        return out
+
+
+@pytest.mark.parametrize("drafter", ["dspark", "dflash"])
+def test_a_block_projects_the_vocabulary_once_as_one_product(target, drafter):
+    """lm_head over a block's first n < K slots (a strided slice of the block) runs as one matrix product, not as a
+    batched one that reads the whole weight once per row (what F.linear does with such a 3-D input); k chains
+    share the block's projection (only their draws and Markov biases differ)."""
+    draft = make_draft(drafter, target, block_size=BLOCK)
+    cache, anchors = _context(target, draft)
+    n = BLOCK - 1
+    calls = {
+        "propose": lambda: draft.propose(cache, anchors, sampler=TokenSampler(do_sample=False), num_tokens=n),
+        "chains": lambda: draft.propose_chains(cache, anchors, sampler=TokenSampler(), num_tokens=n, candidates=3),
+    }
+    for name, call in calls.items():
+        with _LmHeadProducts(draft.lm_head.weight) as products:
+            call()
+        assert products.seen == [("mm", 4 * n)], name
