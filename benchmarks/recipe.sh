@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Train a DSpark draft with the default recipe for a fixed wall-clock budget, then measure it: held-out tau on
-# three prompt sets (hf-dspark eval) and decoding speed against target.generate() (generation_speed.py).
+# three prompt sets (hf-dspark eval; one chain a round, and trees of two and four first-slot candidates) and decoding
+# speed against target.generate() (generation_speed.py).
 # Reproduces the README's "Measured results" on any CUDA machine:
 #
 #   benchmarks/recipe.sh TARGET_DIR DATA_DIR OUT_DIR [MINUTES [TRAINING FLAGS...]]
@@ -22,7 +23,9 @@ python3 "$HERE/../examples/train_dspark.py" --target_model "$TARGET" --train_fil
   --output_dir "$OUT/dspark" --max_steps "$STEPS" --max_train_minutes "$MINUTES" --save_strategy no \
   --logging_steps 100 --eval_strategy steps --eval_steps 1000 --eval_rows 256 --per_device_eval_batch_size 16 \
   --report_to none --disable_tqdm True --seed 0 "$@" 2>&1 | tee "$OUT/train.log"
-hf-dspark eval --target "$TARGET" --draft dspark="$OUT/dspark" \
+# The draft as is and with two and four first-slot candidates a round (trees; same prompts, seeds and baselines).
+hf-dspark eval --target "$TARGET" --draft dspark="$OUT/dspark" dspark_k2="$OUT/dspark" dspark_k4="$OUT/dspark" \
+  --draft_kwargs 'dspark_k2={"dspark_candidates": 2}' 'dspark_k4={"dspark_candidates": 4}' \
   --data gsm8k="$DATA/gsm8k.jsonl" humaneval="$DATA/humaneval.jsonl" mt-bench="$DATA/mt-bench.jsonl" \
   --num_prompts 16 --max_new_tokens 256 --temperature 0 1 --batch_size 16 --output_dir "$OUT/eval" --no_progress
 common=(--target "$TARGET" --draft "dspark=$OUT/dspark" --prompts "$DATA/mt-bench.jsonl" --dtype bfloat16
