@@ -209,12 +209,10 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     target = load_target(args, device, dtype)
-    if args.round:
-        rows = [measure_round(args, target, name, t, device, dtype, k) for name in args.drafters
-                for t in args.temperatures for k in args.candidates if k == 1 or name != "eagle3"]  # fmt: skip
-    else:
-        rows = [measure(args, target, name, t, device, dtype, k) for name in args.drafters for t in args.temperatures
-                for k in args.candidates if k == 1 or name != "eagle3"]  # fmt: skip
+    count = measure_round if args.round else measure
+    # Eagle3 proposes one chain: it is measured with k = 1 only.
+    rows = [count(args, target, name, t, device, dtype, k) for name in args.drafters for t in args.temperatures
+            for k in args.candidates if k == 1 or name != "eagle3"]  # fmt: skip
     result = {
         "benchmark": "draft_draw_ops" + (" --round" if args.round else ""),
         "command": "draft_draw_ops.py " + " ".join(sys.argv[1:] if argv is None else argv),
