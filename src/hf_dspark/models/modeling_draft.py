@@ -84,6 +84,15 @@ def stack_or_none(slots: list[torch.Tensor | None]) -> torch.Tensor | None:
     return None if slots[0] is None else torch.stack(slots, dim=1)
 
 
+def _project_rows(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(hidden [..., d], weight [V, d]) as one matrix product over rows. F.linear on a 3-D input that is not
+    a view of rows (a block's first n slots, sliced from its K) does not fold the batch into rows: it runs a batched
+    product that reads the weight once per batch entry, for the vocabulary projection the whole lm_head once per row
+    (on an H100 such a product for 16 rows of one slot took 0.23 ms, where a batch-16 round's other vocabulary
+    projections took about 0.03 ms each)."""
+    return F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], weight.shape[0])
+
+
 class DraftPreTrainedModel(PreTrainedModel):
     config_class = DraftConfig
     base_model_prefix = ""
@@ -336,13 +345,8 @@ class DraftPreTrainedModel(PreTrainedModel):
         return self.finish_logits(self.base_logits(hidden, vocab_slice), markov_features, vocab_slice)
 
     def base_logits(self, hidden: torch.Tensor, vocab_slice: slice | None = None) -> torch.Tensor:
-        """lm_head(h) over [..., d] as one matrix product. F.linear on a 3-D input that is not a view of rows (a
-        block's first n slots, sliced from its K) does not fold the batch into rows: it runs a batched product that
-        reads the weight once per batch entry, here the whole vocabulary projection once per row (on an H100 such a
-        product for 16 rows of one slot took 0.23 ms, where a batch-16 round's other vocabulary projections took
-        about 0.03 ms each)."""
-        weight = self.lm_head.weight[vocab_slice or slice(None)]
-        return F.linear(hidden.reshape(-1, hidden.shape[-1]), weight).view(*hidden.shape[:-1], weight.shape[0])
+        """lm_head(h) over [..., d] as one matrix product (`_project_rows`)."""
+        return _project_rows(hidden, self.lm_head.weight[vocab_slice or slice(None)])
 
     def finish_logits(
         self, base_logits: torch.Tensor, markov_features: torch.Tensor | None = None, vocab_slice: slice | None = None
@@ -355,9 +359,8 @@ class DraftPreTrainedModel(PreTrainedModel):
 
     def target_logits(self, target_hidden: torch.Tensor, vocab_slice: slice | None = None) -> torch.Tensor:
         """The target's own logits from its final (post-norm) hidden state, through the frozen lm_head copy."""
-        vocab_slice = vocab_slice or slice(None)
-        weight = self.lm_head.weight[vocab_slice]
-        return softcap(F.linear(target_hidden.to(weight.dtype), weight), self.config.final_logit_softcapping)
+        weight = self.lm_head.weight[vocab_slice or slice(None)]
+        return softcap(_project_rows(target_hidden.to(weight.dtype), weight), self.config.final_logit_softcapping)
 
     # -- inference protocol -----------------------------------------------------------------------------------
 
