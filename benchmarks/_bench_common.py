@@ -116,3 +116,67 @@ def write_report(report: dict, output: str | None) -> None:
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def device_idle(events, steps: int, phase_prefix: str, largest: int = 12) -> dict:
+    """Where the GPU waited for the host in a torch.profiler trace (`prof.events()` over `steps` steps).
+
+    GPU kernels' intervals are merged into busy time over the window from the first kernel's start to the last one's
+    end; the rest is idle: the device had nothing queued. Each idle interval is charged to the step phase the host
+    was in when it began (CPU ranges named `<phase_prefix>NAME`, e.g. the trainer's `record_function("hf_dspark:loss")`) and to the
+    innermost host operator running then: what the host was doing while the device starved. Gaps shorter than
+    20 us are launch latency between back-to-back kernels and are counted apart."""
+    from bisect import bisect_right
+
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    if not kernels:
+        return {}
+    busy, merged = 0.0, []
+    for start, end in kernels:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    busy = sum(end - start for start, end in merged)
+    gaps = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    phases = sorted((e.time_range.start, e.time_range.end, e.name[len(phase_prefix):]) for e in host
+                    if e.name.startswith(phase_prefix))  # fmt: skip
+    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in host if not e.name.startswith(phase_prefix))
+    op_starts = [start for start, _, _ in ops]
+
+    def phase_at(t):
+        inside = [name for start, end, name in phases if start <= t < end]
+        return inside[-1] if inside else "(between phases)"
+
+    def op_at(t):  # the innermost operator open at t: the latest-starting one that has not ended
+        for start, end, name in reversed(ops[: bisect_right(op_starts, t)]):
+            if end > t:
+                return name
+        return "(python, no operator)"
+
+    by_phase: dict[str, float] = {}
+    by_op: dict[str, float] = {}
+    short = 0.0
+    for start, end in gaps:
+        length = end - start
+        if length < 20:
+            short += length
+            continue
+        by_phase[phase_at(start)] = by_phase.get(phase_at(start), 0.0) + length
+        name = op_at(start)[:100]
+        by_op[name] = by_op.get(name, 0.0) + length
+    window = merged[-1][1] - merged[0][0]
+    per_step = lambda us: us / 1e3 / steps  # noqa: E731 - microseconds over the trace -> ms a step
+    top = sorted(((end - start, phase_at(start), op_at(start)[:100]) for start, end in gaps), reverse=True)[:largest]
+    return {
+        "steps": steps,
+        "window_ms_per_step": per_step(window),
+        "busy_ms_per_step": per_step(busy),
+        "idle_ms_per_step": per_step(window - busy),
+        "idle_short_gaps_ms_per_step": per_step(short),
+        "idle_by_phase_ms_per_step": {k: per_step(v) for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
+        "idle_by_host_op_ms_per_step": {k: per_step(v) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:15]},
+        "largest_gaps": [{"ms": us / 1e3, "phase": phase, "host_op": op} for us, phase, op in top],
+    }

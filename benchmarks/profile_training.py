@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import add_draft_shape_args, bench_training_args, hardware, tiny_target  # noqa: E402
+from _bench_common import add_draft_shape_args, bench_training_args, device_idle, hardware, tiny_target  # noqa: E402
 
 PHASES = ("data", "target", "draft", "loss", "backward", "optimizer")
 
@@ -228,6 +228,8 @@ def kernel_table(trainer, steps: int, cuda: bool, warmup: int = 2) -> tuple[list
     from torch.profiler import ProfilerActivity, profile, schedule
     from transformers import TrainerCallback
 
+    from hf_dspark.training.trainer import PROFILE_RANGE
+
     warmup = max(1, warmup)  # the traced window starts at a step end
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     step_ends: list[float] = []
@@ -242,6 +244,7 @@ def kernel_table(trainer, steps: int, cuda: bool, warmup: int = 2) -> tuple[list
 
     def keep(p):  # the schedule's one cycle ended: its events, before the profiler lets them go
         traced["events"] = p.key_averages()
+        traced["idle"] = device_idle(p.events(), steps, PROFILE_RANGE) if cuda else {}
 
     trainer.args.max_steps = warmup + steps  # train() starts a new run of that many steps
     tick = Tick()
@@ -274,6 +277,8 @@ def kernel_table(trainer, steps: int, cuda: bool, warmup: int = 2) -> tuple[list
         "device_busy_ms_per_step": busy / steps,
         "device_idle_fraction": max(0.0, 1 - busy / (1e3 * wall)) if wall else None,
         "top_kernels": [{"kernel": k[:120], "ms_per_step": v[0] / steps, "calls_per_step": v[1] / steps} for k, v in top],
+        # where the GPU waited for the host, by the host operator running when each wait began
+        "device_idle": traced["idle"],
     }
     return rows, summary
 

@@ -29,15 +29,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import hardware  # noqa: E402
+from _bench_common import device_idle, hardware  # noqa: E402
 
 from hf_dspark import DSparkConfig, DSparkModel
 from hf_dspark.models import backbone
 from hf_dspark.training.arguments import draft_layer_compile_blocker
 from hf_dspark.training.compiled_layers import compiled_draft_layers
 from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
+from hf_dspark.training.trainer import PROFILE_RANGE
 from hf_dspark.models.anchors import anchor_slots_bound, fixed_anchor_count, sample_anchors
 
 PRODUCTION = dict(
@@ -242,21 +244,29 @@ def best_gemm_tflops(device: torch.device, dtype: torch.dtype, sizes=(4096, 8192
     return best
 
 
-def profile_steps(step, first: int, path: str, cuda: bool) -> None:
-    """Where a step's time goes: torch.profiler over 2 steps, operators sorted by GPU kernel time."""
+def profile_steps(step, first: int, path: str, cuda: bool, steps: int = 2) -> dict:
+    """Where a step's time goes: torch.profiler over `steps` steps back to back, operators sorted by GPU kernel
+    time (written to `path`), and where the GPU waited for the host (`device_idle`, returned and appended)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for i in range(first, first + 2):
+        for i in range(first, first + steps):
             step(i)
         if cuda:
             torch.cuda.synchronize()
     key = "cuda_time_total" if cuda else "cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=40)
+    idle = device_idle(prof.events(), steps, PROFILE_RANGE) if cuda else {}
     with open(path, "w") as f:
         f.write(table)
+        if idle:
+            f.write("\nGPU idle, waiting for the host (device_idle):\n" + json.dumps(idle, indent=1) + "\n")
     print(prof.key_averages().table(sort_by=key, row_limit=15))
+    if idle:
+        print(f"GPU busy {idle['busy_ms_per_step']:.1f} ms, idle {idle['idle_ms_per_step']:.1f} ms a step; idle by "
+              f"phase: {', '.join(f'{k} {v:.2f}' for k, v in idle['idle_by_phase_ms_per_step'].items())}")
+    return idle
 
 
 def flops_only(args) -> dict:
@@ -301,16 +311,20 @@ def main(argv=None):
     max_rows = draft.loss_rows_bound_fn()(loss_mask.cpu()) if args.loss_rows == "host" else None
 
     def step(i: int):
-        generator = torch.Generator(device=device).manual_seed(i)
-        positions, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, fixed_count=True)
-        with layers:
-            out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
-                        anchor_mask=valid)  # fmt: skip
-        result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss,
-                                  backend=args.loss_backend, max_rows=max_rows)  # fmt: skip
-        result.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with record_function(PROFILE_RANGE + "draft"):  # the trainer's phase names: idle time by phase
+            generator = torch.Generator(device=device).manual_seed(i)
+            positions, valid = sample_anchors(loss_mask, cfg.num_anchors, generator, fixed_count=True)
+            with layers:
+                out = draft(input_ids, context, loss_mask, target_last_hidden=last, anchor_positions=positions,
+                            anchor_mask=valid)  # fmt: skip
+        with record_function(PROFILE_RANGE + "loss"):
+            result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss,
+                                      backend=args.loss_backend, max_rows=max_rows)  # fmt: skip
+        with record_function(PROFILE_RANGE + "backward"):
+            result.loss.backward()
+        with record_function(PROFILE_RANGE + "optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return result.estimates["supervised_tokens"].detach(), result.loss.detach()
 
     flops = floor = None
@@ -352,8 +366,7 @@ def main(argv=None):
     first = args.warmup + args.steps
     pipelined_ms = timed(range(first, first + args.steps))[1] / args.steps
     first += args.steps
-    if args.profile:
-        profile_steps(step, first, args.profile, cuda)
+    idle = profile_steps(step, first, args.profile, cuda) if args.profile else None
     supervised = float(torch.stack(tokens).float().mean())
     if cuda:
         peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
@@ -396,6 +409,7 @@ def main(argv=None):
         "final_loss": float(losses[-1]),
         # One step's products (FlopCounterMode on an eager step) and their time at the best dense rate measured here.
         "flops": flops,
+        "device_idle": idle,
         "floor": floor,
         "goal": {"step_ms": 41.0, "peak_memory_gib": 11.4},
         "deepspec_reference": {"eager_ms": 110.0, "compiled_ms": 83.0, "peak_memory_gib": 23.9},

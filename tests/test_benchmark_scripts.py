@@ -387,3 +387,42 @@ def test_multi_candidate_one_candidate_is_the_trainers_teacher_forced_tau(temper
         assert bool((distinct[1:] >= first[1:] - 0.01).all())
     else:
         assert "first_distinct" not in sums  # greedy candidates are the top k: distinct already
+
+
+def _event(name, start, end, cuda=False):
+    import torch
+    from types import SimpleNamespace
+
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_device_idle_charges_each_gap_to_the_host_phase_and_operator_running_when_it_began():
+    """Kernels busy 0-100, 110-200 (a 10 us launch gap), 500-600 and 600-700 (back to back); the 300 us gap began
+    inside phase:loss while the host ran aten::nonzero. Microsecond trace over 2 steps -> ms a step."""
+    common = load_script("benchmarks/_bench_common.py")
+    events = [
+        _event("k1", 0, 100, cuda=True), _event("k2", 110, 200, cuda=True),
+        _event("k3", 500, 600, cuda=True), _event("k4", 600, 700, cuda=True), _event("k5", 650, 680, cuda=True),
+        _event("phase:draft", -50, 150), _event("phase:loss", 150, 800),
+        _event("aten::mm", 160, 170), _event("_Loss", 180, 400), _event("aten::nonzero", 190, 380),
+    ]  # fmt: skip
+    idle = common.device_idle(events, steps=2, phase_prefix="phase:")
+    assert idle["busy_ms_per_step"] == pytest.approx(0.390 / 2)
+    assert idle["idle_ms_per_step"] == pytest.approx(0.310 / 2)
+    assert idle["idle_short_gaps_ms_per_step"] == pytest.approx(0.010 / 2)
+    assert idle["idle_by_phase_ms_per_step"] == pytest.approx({"loss": 0.300 / 2})
+    assert idle["idle_by_host_op_ms_per_step"] == pytest.approx({"aten::nonzero": 0.300 / 2})
+    assert idle["largest_gaps"][0] == {"ms": pytest.approx(0.3), "phase": "loss", "host_op": "aten::nonzero"}
+    assert common.device_idle([_event("phase:x", 0, 1)], steps=1, phase_prefix="phase:") == {}  # no kernels: nothing to report
+
+
+def test_flex_tiles_smoke_times_the_drafts_mask(tmp_path):
+    """benchmarks/flex_tiles.py --smoke on CPU: the sweep's code path (forward only there, torch's own tiles)."""
+    bench = load_script("benchmarks/flex_tiles.py")
+    out = tmp_path / "tiles.json"
+    report = bench.main(["--smoke", "--device", "cpu", "--output", str(out)])
+    assert json.loads(out.read_text())["best"] == report["best"] == "{}"
+    [run] = report["runs"]
+    assert run["fwd_ms"] > 0 and "error" not in run
+    assert 0 < report["live_fraction"] < 1 and report["queries"] == 16 * 7

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_callback import ExportableState, ProgressCallback
 
@@ -56,6 +57,10 @@ from .stop_signals import StopOnSignal
 from .zero3 import gathered, refuse_partitioned, zero3_loss_weights
 
 logger = logging.getLogger(__name__)
+
+# torch.profiler ranges around the step's phases ("hf_dspark:target", ":draft", ":loss"): a trace shows them, and
+# the profiling benchmarks charge GPU idle time to them.
+PROFILE_RANGE = "hf_dspark:"
 
 
 # Training flags that set a field of some drafters' configs, with what a drafter without the field does instead.
@@ -334,13 +339,16 @@ class DraftTrainer(Trainer):
         inputs = dict(inputs)
         max_rows = inputs.pop(LOSS_ROWS_BOUND, None)
         if "context_features" not in inputs:
-            inputs.update(self._target_features(draft, inputs))
+            with record_function(PROFILE_RANGE + "target"):
+                inputs.update(self._target_features(draft, inputs))
         losses, walked = [], []
         for anchors, rows_bound in self._anchor_sets(draft, mode, inputs, max_rows):
             batch = {**inputs, **anchors}
-            outputs = self._run_compiled("_compiled_draft_layers", lambda: model(**batch), "draft layers",
-                                         "compile_draft_layers")  # fmt: skip
-            with self._gathered_output_weights(draft), self._mixed_precision():
+            with record_function(PROFILE_RANGE + "draft"):
+                outputs = self._run_compiled("_compiled_draft_layers", lambda: model(**batch), "draft layers",
+                                             "compile_draft_layers")  # fmt: skip
+            loss_range = record_function(PROFILE_RANGE + "loss")
+            with self._gathered_output_weights(draft), self._mixed_precision(), loss_range:
                 result = draft_loss(
                     draft,
                     outputs,
