@@ -118,6 +118,11 @@ def write_report(report: dict, output: str | None) -> None:
         Path(output).write_text(json.dumps(report, indent=1) + "\n")
 
 
+def annotation(event) -> bool:
+    """A profiler event that marks a range (record_function, ProfilerStep#N) rather than running code or a kernel."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("ProfilerStep")
+
+
 def device_idle(events, steps: int, phase_prefix: str, largest: int = 12) -> dict:
     """Where the GPU waited for the host in a torch.profiler trace (`prof.events()` over `steps` steps).
 
@@ -128,8 +133,9 @@ def device_idle(events, steps: int, phase_prefix: str, largest: int = 12) -> dic
     20 us are launch latency between back-to-back kernels and are counted apart."""
     from bisect import bisect_right
 
+    # GPU-side copies of record_function ranges (and ProfilerStep) are user annotations, not kernels.
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+                     if e.device_type == torch.autograd.DeviceType.CUDA and not annotation(e))  # fmt: skip
     if not kernels:
         return {}
     busy, merged = 0.0, []
@@ -141,9 +147,10 @@ def device_idle(events, steps: int, phase_prefix: str, largest: int = 12) -> dic
     busy = sum(end - start for start, end in merged)
     gaps = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    phases = sorted((e.time_range.start, e.time_range.end, e.name[len(phase_prefix):]) for e in host
+    ranges = [e for e in host if annotation(e) or e.name.startswith(phase_prefix)]
+    phases = sorted((e.time_range.start, e.time_range.end, e.name[len(phase_prefix):]) for e in ranges
                     if e.name.startswith(phase_prefix))  # fmt: skip
-    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in host if not e.name.startswith(phase_prefix))
+    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in host if e not in ranges)
     op_starts = [start for start, _, _ in ops]
 
     def phase_at(t):

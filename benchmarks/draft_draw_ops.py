@@ -94,11 +94,16 @@ def load_target(args, device, dtype):
     return AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype).eval()
 
 
-def measure(args, target, name: str, temperature: float, device, dtype, candidates: int = 1) -> dict:
+def seeded_draft(args, target, name: str, device, dtype):
+    """The drafter `name` built from the target with seeded random weights, in eval mode on the device."""
     torch.manual_seed(0)
     layers = 1 if name == "eagle3" else args.num_hidden_layers  # Eagle3 drafts have one decoder layer
     draft = DRAFTERS[name].from_target(target, num_hidden_layers=layers, block_size=args.block_size)
-    draft = draft.to(device=device, dtype=dtype).eval()
+    return draft.to(device=device, dtype=dtype).eval()
+
+
+def measure(args, target, name: str, temperature: float, device, dtype, candidates: int = 1) -> dict:
+    draft = seeded_draft(args, target, name, device, dtype)
     vocab = target.config.vocab_size
     ids = torch.randint(3, vocab, (args.rows, args.context + 1), device=device)
     with torch.no_grad():
@@ -182,10 +187,7 @@ class _CountSecondRound:
 
 
 def measure_round(args, target, name: str, temperature: float, device, dtype, candidates: int = 1) -> dict:
-    torch.manual_seed(0)
-    layers = 1 if name == "eagle3" else args.num_hidden_layers
-    draft = DRAFTERS[name].from_target(target, num_hidden_layers=layers, block_size=args.block_size)
-    draft = draft.to(device=device, dtype=dtype).eval()
+    draft = seeded_draft(args, target, name, device, dtype)
     ids = torch.randint(3, target.config.vocab_size, (args.rows, 24), device=device,
                         generator=torch.Generator(device=device).manual_seed(0))  # fmt: skip
     sampling = dict(do_sample=True, temperature=temperature, top_k=0) if temperature > 0 else dict(do_sample=False)

@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import add_draft_shape_args, bench_training_args, device_idle, hardware, tiny_target  # noqa: E402
+from _bench_common import (  # noqa: E402
+    add_draft_shape_args, annotation, bench_training_args, device_idle, hardware, tiny_target,
+)
 
 PHASES = ("data", "target", "draft", "loss", "backward", "optimizer")
 
@@ -262,7 +264,7 @@ def kernel_table(trainer, steps: int, cuda: bool, warmup: int = 2) -> tuple[list
     by_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for event in traced["events"]:
         dev = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        if dev and event.device_type == torch.autograd.DeviceType.CUDA:
+        if dev and event.device_type == torch.autograd.DeviceType.CUDA and not annotation(event):
             by_family[family(event.key)] += dev / 1e3
             by_kernel[event.key][0] += dev / 1e3
             by_kernel[event.key][1] += event.count

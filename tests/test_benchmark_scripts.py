@@ -389,22 +389,26 @@ def test_multi_candidate_one_candidate_is_the_trainers_teacher_forced_tau(temper
         assert "first_distinct" not in sums  # greedy candidates are the top k: distinct already
 
 
-def _event(name, start, end, cuda=False):
+def _event(name, start, end, cuda=False, annotation=False):
     import torch
     from types import SimpleNamespace
 
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
+    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end),
+                           is_user_annotation=annotation)  # fmt: skip
 
 
 def test_device_idle_charges_each_gap_to_the_host_phase_and_operator_running_when_it_began():
     """Kernels busy 0-100, 110-200 (a 10 us launch gap), 500-600 and 600-700 (back to back); the 300 us gap began
-    inside phase:loss while the host ran aten::nonzero. Microsecond trace over 2 steps -> ms a step."""
+    inside phase:loss while the host ran aten::nonzero. Ranges on the GPU's timeline (record_function's copies,
+    ProfilerStep) are no kernels. Microsecond trace over 2 steps -> ms a step."""
     common = load_script("benchmarks/_bench_common.py")
     events = [
         _event("k1", 0, 100, cuda=True), _event("k2", 110, 200, cuda=True),
         _event("k3", 500, 600, cuda=True), _event("k4", 600, 700, cuda=True), _event("k5", 650, 680, cuda=True),
-        _event("phase:draft", -50, 150), _event("phase:loss", 150, 800),
+        _event("phase:draft", -50, 150, annotation=True), _event("phase:loss", 150, 800, annotation=True),
+        # the GPU-side copies of the ranges: annotations spanning the gaps, not kernels
+        _event("phase:loss", 150, 800, cuda=True, annotation=True), _event("ProfilerStep#3", -60, 900, cuda=True),
         _event("aten::mm", 160, 170), _event("_Loss", 180, 400), _event("aten::nonzero", 190, 380),
     ]  # fmt: skip
     idle = common.device_idle(events, steps=2, phase_prefix="phase:")
