@@ -120,7 +120,8 @@ def write_report(report: dict, output: str | None) -> None:
 
 def annotation(event) -> bool:
     """A profiler event that marks a range (record_function, ProfilerStep#N) rather than running code or a kernel."""
-    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("ProfilerStep")
+    name = getattr(event, "name", None) or getattr(event, "key", "")  # FunctionEvent / FunctionEventAvg
+    return bool(getattr(event, "is_user_annotation", False)) or name.startswith("ProfilerStep")
 
 
 def device_idle(events, steps: int, phase_prefix: str, largest: int = 12) -> dict:

@@ -89,6 +89,9 @@ def parse_args(argv=None):
                    help="elements of the loss's [rows, V] fp32 buffer per chunk, one run each (default: the "
                    "trainer's, 2**26: 1,280 rows at V 49,152; larger chunks mean fewer chunks a step, so fewer "
                    "launches and compiled calls for the host to issue)")  # fmt: skip
+    p.add_argument("--target_cuda_graphs", nargs="+", choices=["off", "on"], default=["off"],
+                   help="the online target's forward plain (off, the trainer's default) or replayed from CUDA graphs "
+                   "(on: the trainer's target_cuda_graphs), or both in turn")  # fmt: skip
     p.add_argument("--dataloader_num_workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -160,17 +163,20 @@ def main(argv=None):
     cache_probe = probe_cache_sizes(args, target, tokenizer, eval_rows) if args.probe_cache_rows else {}
 
     results, max_steps = [], args.max_steps
-    variants = [(a, c, r, b, w, e) for a in args.algorithms for c in args.compile_draft_layers for r in args.loss_rows
-                for b in args.batch_copy for w in args.intermediate_size for e in args.loss_chunk_elements]
-    for index, (algorithm, compiled_layers, loss_rows, batch_copy, width, chunk) in enumerate(variants):
+    variants = [(a, c, r, b, w, e, g) for a in args.algorithms for c in args.compile_draft_layers
+                for r in args.loss_rows for b in args.batch_copy for w in args.intermediate_size
+                for e in args.loss_chunk_elements for g in args.target_cuda_graphs]  # fmt: skip
+    for index, (algorithm, compiled_layers, loss_rows, batch_copy, width, chunk, graphs) in enumerate(variants):
         name = algorithm + ("-compiled-layers" if compiled_layers == "on" else "") + f"-{loss_rows}-rows"
         name += "-copy-wait" if batch_copy == "wait" else ""
+        name += "-target-graphs" if graphs == "on" else ""
         name += f"-mlp{width}" if width else ""
         name += f"-chunk{chunk}" if chunk else ""
         output_dir = str(Path(args.output_dir) / name) if len(variants) > 1 else args.output_dir
         result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
                            compile_draft_layers=compiled_layers == "on", loss_rows=loss_rows,
-                           batch_copy=batch_copy, intermediate_size=width, loss_chunk_elements=chunk)  # fmt: skip
+                           batch_copy=batch_copy, intermediate_size=width, loss_chunk_elements=chunk,
+                           target_cuda_graphs=graphs == "on")  # fmt: skip
         result["setup_s"] = setup_s
         results.append(result)
         if index == 0 and args.same_steps:
@@ -224,11 +230,12 @@ def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
 
 def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
               compile_draft_layers=False, loss_rows="host", batch_copy="async", intermediate_size=None,
-              loss_chunk_elements=None) -> dict:
+              loss_chunk_elements=None, target_cuda_graphs=False) -> dict:
     """Train one drafter (online or from a cache) and measure it."""
     training_args = bench_training_args(
         args, algorithm, output_dir, cuda,
         compile_draft_layers=compile_draft_layers,
+        target_cuda_graphs=target_cuda_graphs,
         accelerator_config={"non_blocking": batch_copy == "async"},
         intermediate_size=intermediate_size,
         loss_chunk_elements=loss_chunk_elements,
@@ -328,6 +335,9 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         "compile_draft_layers": compile_draft_layers,
         "loss_rows_counted_on": loss_rows,
         "batch_copy": "async" if training_args.accelerator_config.non_blocking else "wait",  # as the trainer ran
+        "target_cuda_graphs": target_cuda_graphs,
+        # the trainer's record: None where no graphs were asked for, else why they were given up (None: they ran)
+        "target_graphs_failed": (trainer._target_graphs.failed if trainer._target_graphs is not None else None),
         "loss_chunk_elements": training_args.loss_chunk_elements or DEFAULT_CHUNK_ELEMENTS,  # as the trainer ran
         "draft_dir": output_dir,
         **cache_info,
@@ -344,6 +354,7 @@ def print_table(results: list[dict]) -> None:
         compiled = ", compiled layers" if r.get("compile_draft_layers") else ""
         compiled += ", rows counted on the device" if r.get("loss_rows_counted_on") == "device" else ""
         compiled += ", waiting for each batch's copy" if r.get("batch_copy") == "wait" else ""
+        compiled += ", target from CUDA graphs" if r.get("target_cuda_graphs") else ""
         if r.get("loss_chunk_elements", DEFAULT_CHUNK_ELEMENTS) != DEFAULT_CHUNK_ELEMENTS:
             compiled += f", loss chunks of {r['loss_chunk_elements']:,} elements"
         shape = f"{r['draft']['layers']} layers, MLP {r['draft']['intermediate_size']}"

@@ -1,5 +1,5 @@
 """One-time work this process did: torch.compile (seconds from its own timers, and a per-function report of the
-compilations since a mark) and CUDA graph captures (counted by `generation.cuda_graphs.capture`). Training logs
+compilations since a mark) and CUDA graph captures (`capture`, the one function that captures them). Training logs
 the compile time (`compile_s`, compile_report.json); evaluation and the speed benchmark time calls of warm code
 through `run_warm`."""
 
@@ -95,7 +95,7 @@ _graph_captures = 0
 
 
 def count_graph_capture() -> None:
-    """Called by the one function that captures CUDA graphs (`generation.cuda_graphs.capture`)."""
+    """Called by the one function that captures CUDA graphs (`capture`)."""
     global _graph_captures
     _graph_captures += 1
 
@@ -103,6 +103,27 @@ def count_graph_capture() -> None:
 def graph_captures() -> int:
     """CUDA graphs captured by this process so far."""
     return _graph_captures
+
+
+def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
+    """(graph, outputs of the captured call). `fn` is run `warmups` times eagerly on a side stream first (lazy
+    library initialization, e.g. cuBLAS handles, must not happen inside a capture); `before_warmup()` may put the
+    buffers in a state where those runs change nothing that is read later."""
+    import torch
+
+    if before_warmup is not None:
+        before_warmup()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    count_graph_capture()
+    return graph, outputs
 
 
 def one_time_work_mark() -> tuple[dict, int]:
@@ -181,6 +202,7 @@ __all__ = [
     "compile_mark",
     "compile_report",
     "compile_seconds_since",
+    "capture",
     "count_graph_capture",
     "graph_captures",
     "keep_compilation_records",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .sampling import rejection_step, sample_without_replacement
+from .sampling import rejection_step, residual_after_rejection, sample_without_replacement
 
 
 @dataclass
@@ -288,8 +288,7 @@ def multi_candidate_acceptance(p: torch.Tensor, q: torch.Tensor, candidates: int
     for _ in range(candidates):
         rejected = rejected * (1 - torch.minimum(residual, q).sum(-1)).clamp(min=0)
         accepted.append(1 - rejected)
-        residual = (residual - q).clamp(min=0)
-        residual = residual / residual.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        residual = residual_after_rejection(residual, q)
     return torch.stack(accepted, dim=-1)
 
 

@@ -143,20 +143,25 @@ def rejection_step(residual: torch.Tensor, q_left: torch.Tensor, drawn: torch.Lo
     residual: r_i, what the target's distribution p is left as after the earlier candidates' rejections (r_1 = p);
     q_left: the draft's q less the earlier candidates (q itself when drawn with replacement). The candidate came
     from q_i, q_left renormalized (q_left itself with replacement), and is accepted with chance
-    min(1, r_i(x) / q_i(x)); on rejection the residual becomes r_{i+1} = normalize(max(0, r_i - q_i)).
+    min(1, r_i(x) / q_i(x)); on rejection the residual becomes r_{i+1} (`residual_after_rejection`).
 
     Returns (q_i(x), r_i(x), r_{i+1}, q_left without x) per row. The caller decides acceptance (a coin in decoding,
     the exact chance in `metrics`) and where r_{i+1} replaces r_i. q_i(x) = 0 means no draw was left for this
-    candidate (fewer tokens of positive mass than candidates), never accepted. Where r_i equals q_i up to rounding
-    a rejection is (almost) impossible and r_{i+1} keeps r_i rather than divide by ~0."""
+    candidate (fewer tokens of positive mass than candidates), never accepted."""
     q_i = q_left if replacement else q_left / q_left.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     q_x = q_i.gather(1, drawn).squeeze(1)
     r_x = residual.gather(1, drawn).squeeze(1)
+    return q_x, r_x, residual_after_rejection(residual, q_i), (q_left if replacement else q_left.scatter(1, drawn, 0.0))
+
+
+def residual_after_rejection(residual: torch.Tensor, q_i: torch.Tensor) -> torch.Tensor:
+    """r_{i+1} = normalize(max(0, r_i - q_i)) over the last dimension: what the target's distribution is left as once
+    a candidate drawn from q_i is rejected. Where r_i equals q_i up to rounding a rejection is (almost) impossible,
+    and r_i is kept rather than divide by ~0."""
     left = (residual - q_i).clamp_min(0)
     mass = left.sum(-1, keepdim=True)
-    after = torch.where(mass > 1e-12, left / mass.clamp_min(1e-30), residual)
-    return q_x, r_x, after, (q_left if replacement else q_left.scatter(1, drawn, 0.0))
+    return torch.where(mass > 1e-12, left / mass.clamp_min(1e-30), residual)
 
 
-__all__ = ["TokenSampler", "sample_from", "sample_without_replacement", "rejection_step", "apply_logits_processors",
-           "apply_position_free"]
+__all__ = ["TokenSampler", "sample_from", "sample_without_replacement", "rejection_step", "residual_after_rejection",
+           "apply_logits_processors", "apply_position_free"]

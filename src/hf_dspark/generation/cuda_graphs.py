@@ -1,35 +1,14 @@
-"""Capturing a function of static buffers as a CUDA graph, and keeping the runners that own such graphs for later
-calls: what the draft, verification and whole-round runners share (`draft_graphs.py`, `target_graphs.py`,
-`round_graph.py`)."""
+"""Keeping the runners that own CUDA graphs for later calls, and capturing with a fallback: what the draft,
+verification and whole-round runners share (`draft_graphs.py`, `target_graphs.py`, `round_graph.py`). The capture
+itself is `compilation.capture` (training's online target uses it too)."""
 
 from __future__ import annotations
 
 import logging
 
-import torch
-
-from ..compilation import count_graph_capture
+from ..compilation import capture
 
 logger = logging.getLogger(__name__)
-
-
-def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
-    """(graph, outputs of the captured call). `fn` is run `warmups` times eagerly on a side stream first (lazy
-    library initialization, e.g. cuBLAS handles, must not happen inside a capture); `before_warmup()` may put the
-    buffers in a state where those runs change nothing that is read later."""
-    if before_warmup is not None:
-        before_warmup()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = fn()
-    count_graph_capture()
-    return graph, outputs
 
 
 def captured_or_warned(what: str, capture_fn) -> bool:

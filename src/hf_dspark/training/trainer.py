@@ -53,6 +53,7 @@ from .collator import LOSS_ROWS_BOUND, DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
 from .losses import draft_loss
 from .step_agreement import StepAgreement
+from .target_graphs import CapturedTargetFeatures
 from .stop_signals import StopOnSignal
 from .zero3 import gathered, refuse_partitioned, zero3_loss_weights
 
@@ -219,11 +220,14 @@ class DraftTrainer(Trainer):
             self.add_callback(self.stop_signal)
         self.target_model = None
         self._compiled_target_layers = None
+        self._target_graphs: CapturedTargetFeatures | None = None
         self._evaluate_in_grad_mode = True  # until a grad-mode evaluation fails (prediction_step)
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
             if getattr(self.args, "compile_target", False):
                 self._compiled_target_layers = CompiledLayers(decoder_layers(self.target_model))
+            if getattr(self.args, "target_cuda_graphs", False) and self.args.device.type == "cuda":
+                self._target_graphs = CapturedTargetFeatures(self.target_model, self._compiled_target_layers)
         self._compiled_draft_layers = self._draft_layer_compiler()
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
@@ -398,10 +402,13 @@ class DraftTrainer(Trainer):
                 "the batch has no target features: pass target_model=... to DraftTrainer (online training) or "
                 "train from a target cache (build_target_cache + load_target_cache)"
             )
-        run = lambda: target_features(  # noqa: E731
-            self.target_model, inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"]
-        )
-        context, last = self._run_compiled("_compiled_target_layers", run, "target forward", "compile_target")
+        args = (inputs["input_ids"], draft.config.target_layer_ids, inputs["attention_mask"])
+        captured = self._target_graphs(*args) if self._target_graphs is not None else None
+        if captured is not None:
+            context, last = captured
+        else:
+            run = lambda: target_features(self.target_model, *args)  # noqa: E731
+            context, last = self._run_compiled("_compiled_target_layers", run, "target forward", "compile_target")
         return {"context_features": context, "target_last_hidden": last}
 
     def _run_compiled(self, attribute: str, run, what: str, flag: str):

@@ -1,0 +1,116 @@
+"""The online target's no-grad feature forward, replayed from CUDA graphs.
+
+A SmolLM2 target's forward is ~30 compiled decoder-layer calls of about twenty kernels each. Issuing them one by one
+took the host longer than the GPU took to run them: in a profile of the default 16 x 1,024 step on an H100 the GPU
+sat idle 21 ms a step while the host issued the target's forward (`benchmarks/profile_training.py`, `device_idle`).
+A captured graph replays the whole forward with one launch. One graph is kept per batch shape (training pads to a
+few lengths), after warm-up runs that compile the target's layers as `compile_target` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ..compilation import capture
+from ..target import target_features
+
+logger = logging.getLogger(__name__)
+
+
+def padded_causal_mask(attention_mask: torch.Tensor, additive_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, L] 0/1 padding mask -> [B, 1, L, L]: query i sees key j <= i where key j is not padding, and always itself;
+    bool (True = sees, what sdpa takes), or with `additive_dtype` 0 / the dtype's minimum (what eager attention
+    adds). transformers builds the same mask from the 2-D form, after testing on the host whether the batch has
+    padding at all (no mask, a causal kernel, when it has none), a read-back no CUDA graph can hold. A padding query
+    sees itself so that no row of the mask is empty; no real position sees a padding key either way."""
+    length = attention_mask.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
+    keys = attention_mask.bool()[:, None, None, :]
+    sees = (causal & keys) | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
+    if additive_dtype is None:
+        return sees
+    return torch.zeros(sees.shape, dtype=additive_dtype, device=sees.device).masked_fill(
+        ~sees, torch.finfo(additive_dtype).min
+    )
+
+
+def graphs_unsupported(target) -> str | None:
+    """Why the target's forward cannot take `padded_causal_mask` in place of its own masking, or None."""
+    config = target.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return f"attention implementation {implementation!r} (sdpa and eager take an explicit mask)"
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = any(kind != "full_attention" for kind in layer_types) or (
+        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    )
+    return "sliding-window layers (their mask differs from the causal one)" if sliding else None
+
+
+def target_mask(target, attention_mask: torch.Tensor) -> torch.Tensor:
+    """`padded_causal_mask` in the form the target's attention implementation takes."""
+    eager = getattr(target.config, "_attn_implementation", None) == "eager"
+    return padded_causal_mask(attention_mask, target.dtype if eager else None)
+
+
+class CapturedTargetFeatures:
+    """`target_features(target, input_ids, layer_ids, attention_mask)` replayed from a CUDA graph per (batch, length,
+    layer ids).
+
+    Calling it copies the batch into the shape's static buffers, replays, and returns copies of the outputs (a later
+    replay overwrites the graph's own). It returns None where it cannot serve the call: not on CUDA, more than
+    `max_shapes` shapes, or after a capture failed (logged once; the caller then runs the forward uncaptured).
+    `layers` is the `CompiledLayers` of the target (or None): the warm-up and capture run inside it, so the graph
+    replays the compiled kernels."""
+
+    def __init__(self, target, layers=None, max_shapes: int = 8):
+        self.target, self.layers, self.max_shapes = target, layers, max_shapes
+        self.graphs: dict[tuple, tuple] = {}
+        self.failed: str | None = None
+
+    def __call__(self, input_ids: torch.Tensor, layer_ids: Sequence[int], attention_mask: torch.Tensor | None = None):
+        if self.failed is None and (why := graphs_unsupported(self.target)):
+            self.failed = why
+            logger.warning("the online target's forward runs without CUDA graphs: %s", why)
+        if self.failed is not None or input_ids.device.type != "cuda":
+            return None
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        key = (tuple(input_ids.shape), input_ids.device, tuple(layer_ids))
+        entry = self.graphs.get(key)
+        if entry is None:
+            if len(self.graphs) >= self.max_shapes:
+                return None
+            entry = self._capture(input_ids, list(layer_ids), attention_mask)
+            if entry is None:
+                return None
+            self.graphs[key] = entry
+        graph, ids, mask, outputs = entry
+        ids.copy_(input_ids, non_blocking=True)
+        mask.copy_(attention_mask, non_blocking=True)
+        graph.replay()
+        return tuple(t.clone() for t in outputs)
+
+    def _capture(self, input_ids, layer_ids, attention_mask):
+        ids, mask = input_ids.clone(), attention_mask.clone()
+
+        def forward():
+            return target_features(self.target, ids, layer_ids, target_mask(self.target, mask))
+
+        try:
+            with self.layers if self.layers is not None else contextlib.nullcontext():
+                graph, outputs = capture(forward)
+        except Exception as err:  # noqa: BLE001 - the uncaptured forward computes the same features
+            self.failed = f"{type(err).__name__}: {err}"
+            logger.warning("the online target's forward runs without CUDA graphs (capture failed: %s); "
+                           "target_cuda_graphs=False skips the attempt", self.failed)  # fmt: skip
+            self.graphs.clear()
+            return None
+        return graph, ids, mask, outputs
+
+
+__all__ = ["CapturedTargetFeatures", "graphs_unsupported", "padded_causal_mask", "target_mask"]

@@ -1,0 +1,72 @@
+"""The online target's feature forward replayed from CUDA graphs (training/target_graphs.py): the 4-D mask it feeds
+the target gives the same features as transformers' own masking, and the captured forward the same as the plain
+one (on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, make_tiny_target
+
+from hf_dspark.target import target_features
+from hf_dspark.training.target_graphs import CapturedTargetFeatures, graphs_unsupported, padded_causal_mask, target_mask
+
+LAYERS = [1, 2, 4]
+
+
+def _batch(device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 90, (3, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0  # right padding, as the collator pads
+    mask[1, 5:] = 0
+    return ids.to(device), mask.to(device)
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "gemma3"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_the_explicit_mask_gives_transformers_features_on_every_real_position(family, attention):
+    target = make_tiny_target(family, attn_implementation=attention)
+    assert graphs_unsupported(target) is None
+    ids, mask = _batch()
+    ctx, last = target_features(target, ids, LAYERS, mask)
+    ctx4, last4 = target_features(target, ids, LAYERS, target_mask(target, mask))
+    real = mask.bool()
+    torch.testing.assert_close(ctx4[real], ctx[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(last4[real], last[real], rtol=1e-5, atol=1e-5)
+
+
+def test_padded_causal_mask_rule():
+    mask = torch.tensor([[1, 1, 0]])
+    expected = torch.tensor([[[[1, 0, 0], [1, 1, 0], [1, 1, 1]]]], dtype=torch.bool)  # padding row 2 sees itself
+    assert torch.equal(padded_causal_mask(mask), expected)
+
+
+def test_sliding_window_targets_keep_their_own_masking():
+    """Gemma3's sliding layers need another mask than the causal one: no graphs, with the reason."""
+    assert "sliding" in graphs_unsupported(make_tiny_target("gemma3"))
+    captured = CapturedTargetFeatures(make_tiny_target("gemma3"))
+    assert captured(*_batch()[:1], LAYERS) is None and "sliding" in captured.failed
+
+
+def test_off_cuda_it_serves_nothing_and_the_caller_runs_the_plain_forward():
+    captured = CapturedTargetFeatures(make_tiny_target("llama"))
+    ids, mask = _batch()
+    assert captured(ids, LAYERS, mask) is None and not captured.graphs and captured.failed is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_replayed_features_equal_the_plain_forward_for_each_batch(family):
+    target = make_tiny_target(family, attn_implementation="sdpa").cuda()
+    captured = CapturedTargetFeatures(target)
+    for seed in range(3):  # new contents in the same buffers: each replay reads this batch
+        ids, mask = _batch("cuda")
+        ids = (ids + seed) % 90 + 3
+        out = captured(ids, LAYERS, mask)
+        assert out is not None, captured.failed
+        ctx, last = target_features(target, ids, LAYERS, mask)
+        real = mask.bool()
+        torch.testing.assert_close(out[0][real], ctx[real])
+        torch.testing.assert_close(out[1][real], last[real])
+    assert len(captured.graphs) == 1
