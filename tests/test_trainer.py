@@ -875,6 +875,31 @@ def test_compiled_target_layers_train_like_eager_and_leave_the_target_untouched(
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
+def test_the_target_forward_comes_from_its_graphs_where_they_serve_it(tmp_path):
+    """target_cuda_graphs: on CPU nothing is captured; where the graph runner serves a batch (here a stand-in that
+    runs the plain forward and counts), its features train the draft, and where it declines (None) the plain forward
+    runs: the losses are those of the plain run either way."""
+    from hf_dspark.target import target_features
+
+    args = make_args(tmp_path, compile_target=False, target_cuda_graphs=True)
+    plain = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=make_tiny_target("llama"))
+    assert plain._target_graphs is None  # CUDA only
+    plain.train()
+    expected = [h["loss"] for h in plain.state.log_history if "loss" in h]
+    for serves in (True, False):
+        trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=make_tiny_target("llama"))
+        calls = []
+
+        def runner(input_ids, layer_ids, attention_mask):
+            calls.append(tuple(input_ids.shape))
+            return target_features(trainer.target_model, input_ids, layer_ids, attention_mask) if serves else None
+
+        trainer._target_graphs = runner
+        trainer.train()
+        assert len(calls) == 3
+        assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(expected, rel=1e-5)
+
+
 @pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
 def test_compiled_draft_layers_train_like_eager_and_are_swapped_back(tmp_path, algorithm):
     """compile_draft_layers: the draft's layer methods run compiled inside the training forward only; the losses

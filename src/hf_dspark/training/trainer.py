@@ -53,8 +53,8 @@ from .collator import LOSS_ROWS_BOUND, DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
 from .losses import draft_loss
 from .step_agreement import StepAgreement
-from .target_graphs import CapturedTargetFeatures
 from .stop_signals import StopOnSignal
+from .target_graphs import CapturedTargetFeatures
 from .zero3 import gathered, refuse_partitioned, zero3_loss_weights
 
 logger = logging.getLogger(__name__)
