@@ -122,8 +122,8 @@ class DraftTrainingArguments(TrainingArguments):
     target_cuda_graphs: bool = field(
         default=False,
         metadata={"help": "Replay the online target's no-grad forward from CUDA graphs, one per batch shape "
-                  "(captured after the compiled layers warm up; the host issues one launch instead of ~20 a target "
-                  "layer). CUDA only; a failed capture falls back to the plain forward with a warning."},
+                  "(captured after the compiled layers warm up; the host issues one graph launch instead of every "
+                  "layer's kernels). CUDA only; a failed capture falls back to the plain forward with a warning."},
     )
     compile_draft_layers: bool | None = field(
         default=None,

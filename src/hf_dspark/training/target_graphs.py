@@ -1,10 +1,11 @@
 """The online target's no-grad feature forward, replayed from CUDA graphs.
 
-A SmolLM2 target's forward is ~30 compiled decoder-layer calls of about twenty kernels each. Issuing them one by one
-took the host longer than the GPU took to run them: in a profile of the default 16 x 1,024 step on an H100 the GPU
-sat idle 21 ms a step while the host issued the target's forward (`benchmarks/profile_training.py`, `device_idle`).
-A captured graph replays the whole forward with one launch. One graph is kept per batch shape (training pads to a
-few lengths), after warm-up runs that compile the target's layers as `compile_target` does.
+A SmolLM2 target's forward is 30 compiled decoder-layer calls, each launching its own kernels. Issuing them one by one
+took the host longer than the GPU took to run them: in a profile of 16 conversations padded to multiples of 256 on
+an H100 the GPU sat idle 21 ms a step while the host issued the target's forward (`benchmarks/profile_training.py`,
+`device_idle`). A captured graph replays the whole forward with one launch. One graph is kept per batch shape
+(training pads to a few lengths), after warm-up runs that compile the target's layers as `compile_target` does.
+Opt-in (`target_cuda_graphs`) until it is timed on a GPU (`train_throughput.py --target_cuda_graphs off on`).
 """
 
 from __future__ import annotations
