@@ -900,6 +900,23 @@ def test_the_target_forward_comes_from_its_graphs_where_they_serve_it(tmp_path):
         assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_training_with_the_target_from_cuda_graphs_matches_the_plain_forward(tmp_path):
+    """On a GPU, target_cuda_graphs captures the target's forward once per batch shape and the run's losses are the
+    plain run's (float32 weights; the captured path passes an explicit mask, so equal up to kernel rounding)."""
+    losses = {}
+    for graphs in (False, True):
+        args = make_args(tmp_path, use_cpu=False, bf16=False, compile_target=False, compile_loss=False,
+                         compile_draft_layers=False, target_cuda_graphs=graphs, pad_to_multiple_of=32)  # fmt: skip
+        target = make_tiny_target("llama", attn_implementation="sdpa")
+        trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)
+        trainer.train()
+        losses[graphs] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if graphs:
+            assert trainer._target_graphs.failed is None and 1 <= len(trainer._target_graphs.graphs) <= 2
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
 @pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
 def test_compiled_draft_layers_train_like_eager_and_are_swapped_back(tmp_path, algorithm):
     """compile_draft_layers: the draft's layer methods run compiled inside the training forward only; the losses
