@@ -139,19 +139,18 @@ def device_idle(events, steps: int, phase_prefix: str, largest: int = 12) -> dic
                      if e.device_type == torch.autograd.DeviceType.CUDA and not annotation(e))  # fmt: skip
     if not kernels:
         return {}
-    busy, merged = 0.0, []
+    merged = []
     for start, end in kernels:
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
     busy = sum(end - start for start, end in merged)
-    gaps = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)]
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    ranges = [e for e in host if annotation(e) or e.name.startswith(phase_prefix)]
-    phases = sorted((e.time_range.start, e.time_range.end, e.name[len(phase_prefix):]) for e in ranges
+    phases = sorted((e.time_range.start, e.time_range.end, e.name[len(phase_prefix):]) for e in host
                     if e.name.startswith(phase_prefix))  # fmt: skip
-    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in host if e not in ranges)
+    ops = sorted((e.time_range.start, e.time_range.end, e.name) for e in host
+                 if not (annotation(e) or e.name.startswith(phase_prefix)))  # fmt: skip
     op_starts = [start for start, _, _ in ops]
 
     def phase_at(t):
@@ -164,20 +163,21 @@ def device_idle(events, steps: int, phase_prefix: str, largest: int = 12) -> dic
                 return name
         return "(python, no operator)"
 
+    # Each gap between merged busy intervals: (length, phase, operator), charged once.
+    gaps, short = [], 0.0
+    for (_, idle_from), (idle_to, _) in zip(merged, merged[1:]):
+        if idle_to - idle_from < 20:
+            short += idle_to - idle_from
+        else:
+            gaps.append((idle_to - idle_from, phase_at(idle_from), op_at(idle_from)[:100]))
     by_phase: dict[str, float] = {}
     by_op: dict[str, float] = {}
-    short = 0.0
-    for start, end in gaps:
-        length = end - start
-        if length < 20:
-            short += length
-            continue
-        by_phase[phase_at(start)] = by_phase.get(phase_at(start), 0.0) + length
-        name = op_at(start)[:100]
-        by_op[name] = by_op.get(name, 0.0) + length
+    for length, phase, op in gaps:
+        by_phase[phase] = by_phase.get(phase, 0.0) + length
+        by_op[op] = by_op.get(op, 0.0) + length
     window = merged[-1][1] - merged[0][0]
     per_step = lambda us: us / 1e3 / steps  # noqa: E731 - microseconds over the trace -> ms a step
-    top = sorted(((end - start, phase_at(start), op_at(start)[:100]) for start, end in gaps), reverse=True)[:largest]
+    top = sorted(gaps, reverse=True)[:largest]
     return {
         "steps": steps,
         "window_ms_per_step": per_step(window),

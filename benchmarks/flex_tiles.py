@@ -95,7 +95,6 @@ def attention_inputs(shapes: dict, device, dtype, seed: int = 0):
     loss_mask[:, : s["prompt"]] = 0
     positions, _ = sample_anchors(loss_mask, s["num_anchors"], gen, fixed_count=True)
     queries = positions.shape[1] * s["block_size"]
-    keys = s["seq_len"] + queries
     live = float(dense_block_mask(positions, s["seq_len"], s["block_size"]).float().mean())
     positions = positions.to(device)
     mask = flex_block_mask(positions, s["seq_len"], s["block_size"])

@@ -22,21 +22,15 @@ from ..target import target_features
 logger = logging.getLogger(__name__)
 
 
-def padded_causal_mask(attention_mask: torch.Tensor, additive_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """[B, L] 0/1 padding mask -> [B, 1, L, L]: query i sees key j <= i where key j is not padding, and always itself;
-    bool (True = sees, what sdpa takes), or with `additive_dtype` 0 / the dtype's minimum (what eager attention
-    adds). transformers builds the same mask from the 2-D form, after testing on the host whether the batch has
+def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] 0/1 padding mask -> bool [B, 1, L, L]: query i sees key j <= i where key j is not padding, and always
+    itself. transformers builds the same mask from the 2-D form, after testing on the host whether the batch has
     padding at all (no mask, a causal kernel, when it has none), a read-back no CUDA graph can hold. A padding query
     sees itself so that no row of the mask is empty; no real position sees a padding key either way."""
     length = attention_mask.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
     keys = attention_mask.bool()[:, None, None, :]
-    sees = (causal & keys) | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
-    if additive_dtype is None:
-        return sees
-    return torch.zeros(sees.shape, dtype=additive_dtype, device=sees.device).masked_fill(
-        ~sees, torch.finfo(additive_dtype).min
-    )
+    return (causal & keys) | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
 
 
 def graphs_unsupported(target) -> str | None:
@@ -53,9 +47,12 @@ def graphs_unsupported(target) -> str | None:
 
 
 def target_mask(target, attention_mask: torch.Tensor) -> torch.Tensor:
-    """`padded_causal_mask` in the form the target's attention implementation takes."""
-    eager = getattr(target.config, "_attn_implementation", None) == "eager"
-    return padded_causal_mask(attention_mask, target.dtype if eager else None)
+    """`padded_causal_mask` as the target's attention adds it: 0 / the dtype's minimum in the target's dtype. eager
+    attention takes only this form; sdpa takes a boolean one too but turns it into this in every layer (the same
+    choice as the verification mask of `generation.speculative`)."""
+    sees = padded_causal_mask(attention_mask)
+    additive = torch.zeros(sees.shape, dtype=target.dtype, device=sees.device)
+    return additive.masked_fill_(~sees, torch.finfo(target.dtype).min)
 
 
 class CapturedTargetFeatures:
@@ -71,12 +68,11 @@ class CapturedTargetFeatures:
     def __init__(self, target, layers=None, max_shapes: int = 8):
         self.target, self.layers, self.max_shapes = target, layers, max_shapes
         self.graphs: dict[tuple, tuple] = {}
-        self.failed: str | None = None
+        self.failed: str | None = graphs_unsupported(target)
+        if self.failed:
+            logger.warning("the online target's forward runs without CUDA graphs: %s", self.failed)
 
     def __call__(self, input_ids: torch.Tensor, layer_ids: Sequence[int], attention_mask: torch.Tensor | None = None):
-        if self.failed is None and (why := graphs_unsupported(self.target)):
-            self.failed = why
-            logger.warning("the online target's forward runs without CUDA graphs: %s", why)
         if self.failed is not None or input_ids.device.type != "cuda":
             return None
         if attention_mask is None:
