@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import FAMILIES, make_tiny_target
 
-from hf_dspark.target import target_features
-from hf_dspark.training.target_graphs import CapturedTargetFeatures, graphs_unsupported, padded_causal_mask, target_mask
+from hf_dspark.target import explicit_mask_unsupported, has_sliding_layers, target_features
+from hf_dspark.training.target_graphs import CapturedTargetFeatures, padded_causal_mask, target_mask
 
 LAYERS = [1, 2, 4]
 
@@ -27,7 +27,7 @@ def _batch(device="cpu"):
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_the_explicit_mask_gives_transformers_features_on_every_real_position(family, attention):
     target = make_tiny_target(family, attn_implementation=attention)
-    assert graphs_unsupported(target) is None
+    assert explicit_mask_unsupported(target) is None
     ids, mask = _batch()
     ctx, last = target_features(target, ids, LAYERS, mask)
     ctx4, last4 = target_features(target, ids, LAYERS, target_mask(target, mask))
@@ -42,9 +42,18 @@ def test_padded_causal_mask_rule():
     assert torch.equal(padded_causal_mask(mask), expected)
 
 
+def test_which_targets_take_an_explicit_mask():
+    """One rule for training's captured forward and generation's verify masks: sdpa/eager, no sliding windows."""
+    assert "attn_implementation='sdpa'" in explicit_mask_unsupported(make_tiny_target("llama", attn_implementation="flex_attention"))
+    qwen2 = make_tiny_target("qwen2")
+    assert not has_sliding_layers(qwen2.config)  # Qwen2 names a window but leaves it off (use_sliding_window=False)
+    assert "sliding" in explicit_mask_unsupported(qwen2, sliding=True)  # generation passes its cache's flags
+    assert has_sliding_layers(make_tiny_target("gemma3").config)
+
+
 def test_sliding_window_targets_keep_their_own_masking():
     """Gemma3's sliding layers need another mask than the causal one: no graphs, with the reason."""
-    assert "sliding" in graphs_unsupported(make_tiny_target("gemma3"))
+    assert "sliding" in explicit_mask_unsupported(make_tiny_target("gemma3"))
     captured = CapturedTargetFeatures(make_tiny_target("gemma3"))
     assert captured(*_batch()[:1], LAYERS) is None and "sliding" in captured.failed
 

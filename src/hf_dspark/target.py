@@ -317,6 +317,30 @@ def target_features(
         return hooks.features, hooks.last_hidden
 
 
+def has_sliding_layers(config) -> bool:
+    """Whether any of the target's layers attends within a sliding window (from its config)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if layer_types:
+        return any(kind != "full_attention" for kind in layer_types)
+    return bool(getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True))
+
+
+def explicit_mask_unsupported(target: nn.Module, sliding: bool | None = None) -> str | None:
+    """Why the target cannot take one explicit 4-D attention mask in place of its own masking, or None when it can.
+
+    Training's captured feature forward and generation's verification (static cache, candidate trees, the ready
+    verify mask) all pass such a mask. Only sdpa and eager attention take one, and one mask would override
+    sliding-window layers' own windows. `sliding`: whether the target has sliding-window layers, where the caller
+    knows (generation reads its cache's flags); None reads it from the config."""
+    implementation = getattr(target.config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return (f"its attention implementation {implementation!r} takes no explicit mask (load the target with "
+                "attn_implementation='sdpa')")  # fmt: skip
+    if has_sliding_layers(target.config) if sliding is None else sliding:
+        return "the target has sliding-window layers (one explicit mask would override their windows)"
+    return None
+
+
 def static_cache_length(prompts: Iterable[Sequence[int]], max_new_tokens: int, step: int = 256) -> int:
     """One static-cache length for every generate() call of a run: its longest prompt + max_new_tokens, rounded up
     to `step`, so the compiled decoding step keeps one shape (the speed tools' baseline, `regenerate`)."""
@@ -332,6 +356,8 @@ __all__ = [
     "default_target_layer_ids",
     "decoder_layers",
     "static_cache_length",
+    "has_sliding_layers",
+    "explicit_mask_unsupported",
     "final_norm",
     "validate_layer_ids",
     "target_config_hash",

@@ -76,10 +76,10 @@ from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from ..sampling import TokenSampler, apply_logits_processors, apply_position_free, sample_from
-from ..target import TargetFeatureHooks
+from ..target import TargetFeatureHooks, explicit_mask_unsupported
 from .draft_graphs import graphs_supported, static_draft_runner
 from .round_graph import fused_round_runner
-from .target_graphs import static_target_runner, static_target_unsupported
+from .target_graphs import static_target_runner
 from .rejection import (
     VERIFICATIONS, VerifyResult, block_tokens, cut_at_stop, tree_attention, tree_depths, verify_block,
     verify_candidates,
@@ -312,7 +312,7 @@ def check_draft_for_target(target, draft) -> None:
 
 def _use_static_target(model, config: SpeculativeConfig, sliding: bool, forced: bool, rows: int, width: int) -> bool:
     """Whether this call verifies over the static cache (`SpeculativeConfig.target_graphs`)."""
-    why_not = static_target_unsupported(model, sliding)
+    why_not = explicit_mask_unsupported(model, sliding)
     if forced or config.target_graphs is True:
         if why_not:
             setting = "cache_implementation='static'" if forced else "dspark_target_graphs=True"
@@ -389,7 +389,7 @@ def _check_generation_config(generation_config, draft, config: SpeculativeConfig
             )
 
 
-def _candidates_unsupported(draft, config: SpeculativeConfig, position_free: bool, sliding: bool, impl) -> str | None:
+def _candidates_unsupported(draft, config: SpeculativeConfig, position_free: bool, no_mask: str | None) -> str | None:
     """Why several first-slot candidates (a tree of chains) cannot run with these settings, or None."""
     if not hasattr(draft, "propose_chains"):
         return (f"{type(draft).__name__} drafts one token at a time; a tree of chains needs a block drafter "
@@ -399,9 +399,8 @@ def _candidates_unsupported(draft, config: SpeculativeConfig, position_free: boo
     if not position_free:
         return ("logits processors that read the sequence (repetition penalty, n-gram bans, ...) would see a "
                 "different sequence on each branch: keep to position-free ones (temperature, top-k, top-p, ...)")
-    if sliding or impl not in ("sdpa", "eager"):
-        return ("the tree's verify forward needs a 4D attention mask: a target with sdpa or eager attention "
-                "(attn_implementation='sdpa') and no sliding-window layers")
+    if no_mask:
+        return f"the tree's verify forward needs a 4D attention mask, and {no_mask}"
     return None
 
 
@@ -557,10 +556,10 @@ class _Decoder:
         self.want_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.sps_table = None
-        impl = getattr(model.config, "_attn_implementation", None)
+        no_mask = explicit_mask_unsupported(model, sliding)
         self.candidates = int(config.candidates)
         if self.candidates > 1:
-            reason = _candidates_unsupported(draft, config, self.position_free, sliding, impl)
+            reason = _candidates_unsupported(draft, config, self.position_free, no_mask)
             if reason:
                 raise ValueError(f"dspark_candidates={self.candidates} cannot be used here: {reason}")
         # The draft's per-round work on static shapes, captured as CUDA graphs (draft_graphs.py).
@@ -574,7 +573,7 @@ class _Decoder:
         # (Not with sliding-window layers: one 4D mask would override their own windows.)
         # Additive, not boolean: SDPA turns a boolean mask into an additive one in every layer (about 90 nested
         # operators a round for a SmolLM2-depth target on CPU, a kernel a layer on a GPU).
-        self.mask_4d = not sliding and impl in ("sdpa", "eager")
+        self.mask_4d = no_mask is None
         self.mask_dtype = next(model.parameters()).dtype
         # The verify forward on fixed shapes (target_graphs.py): cache_implementation="static".
         self.static_target = static_target

@@ -60,16 +60,6 @@ class StaticVerifyCache:
         return len(self.keys)
 
 
-def static_target_unsupported(model, sliding: bool) -> str | None:
-    """Why the static verification path cannot serve this target (None when it can)."""
-    if sliding:
-        return "the target has sliding-window layers"
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager"):
-        return f"its attention implementation {impl!r} takes no 4D mask (load the target with attn_implementation='sdpa')"
-    return None
-
-
 class StaticTargetRunner:
     """Verify forwards on fixed shapes (a CUDA graph on CUDA when `capture`), reused across generate() calls of
     the same shape (`static_target_runner`): capturing costs about three eager forwards, more than a short
@@ -228,4 +218,4 @@ def static_target_runner(model, cache_kwarg: str, prefill_cache, rows: int, widt
     return kept_runner(_RUNNERS, model, key, capacity, lambda r: r.capacity, build)
 
 
-__all__ = ["StaticTargetRunner", "StaticVerifyCache", "static_target_runner", "static_target_unsupported"]
+__all__ = ["StaticTargetRunner", "StaticVerifyCache", "static_target_runner"]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..compilation import capture
-from ..target import target_features
+from ..target import explicit_mask_unsupported, target_features
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +31,6 @@ def padded_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).tril()
     keys = attention_mask.bool()[:, None, None, :]
     return (causal & keys) | torch.eye(length, dtype=torch.bool, device=attention_mask.device)
-
-
-def graphs_unsupported(target) -> str | None:
-    """Why the target's forward cannot take `padded_causal_mask` in place of its own masking, or None."""
-    config = target.config
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ("sdpa", "eager"):
-        return f"attention implementation {implementation!r} (sdpa and eager take an explicit mask)"
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = any(kind != "full_attention" for kind in layer_types) or (
-        not layer_types and getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    )
-    return "sliding-window layers (their mask differs from the causal one)" if sliding else None
 
 
 def target_mask(target, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -68,7 +55,7 @@ class CapturedTargetFeatures:
     def __init__(self, target, layers=None, max_shapes: int = 8):
         self.target, self.layers, self.max_shapes = target, layers, max_shapes
         self.graphs: dict[tuple, tuple] = {}
-        self.failed: str | None = graphs_unsupported(target)
+        self.failed: str | None = explicit_mask_unsupported(target)
         if self.failed:
             logger.warning("the online target's forward runs without CUDA graphs: %s", self.failed)
 
@@ -110,4 +97,4 @@ class CapturedTargetFeatures:
         return graph, ids, mask, outputs
 
 
-__all__ = ["CapturedTargetFeatures", "graphs_unsupported", "padded_causal_mask", "target_mask"]
+__all__ = ["CapturedTargetFeatures", "padded_causal_mask", "target_mask"]
