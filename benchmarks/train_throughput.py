@@ -112,13 +112,23 @@ def parse_args(argv=None):
 
 
 class Throughput(TrainerCallback):
-    """Wall time and supervised block tokens between the end of warm-up and the end of training; time budget."""
+    """Wall time and supervised block tokens between the end of warm-up and the end of training; time budget; the
+    median step (the device synchronized at each step's end): with padding to several lengths each new length
+    compiles mid-run, seconds that the mean carries (and the first configuration of a process alone pays) and the
+    median leaves out."""
 
     def __init__(self, trainer_ref, warmup_steps: int, time_budget: float, cuda: bool):
         self.trainer_ref, self.warmup_steps, self.time_budget, self.cuda = trainer_ref, warmup_steps, time_budget, cuda
         self.start_time = self.start_tokens = self.end_time = self.end_tokens = None
         self.train_start = None
         self.steps = 0
+        self.step_ends: list[float] = []
+
+    def median_step_s(self) -> float:
+        import statistics
+
+        gaps = [b - a for a, b in zip(self.step_ends, self.step_ends[1:])][self.warmup_steps - 1 :]
+        return statistics.median(gaps) if gaps else float("nan")
 
     def _mark(self):
         if self.cuda:
@@ -127,6 +137,9 @@ class Throughput(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         self.steps = state.global_step
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.step_ends.append(time.perf_counter())
         if state.global_step == 1:  # the first step compiles kernels; the budget starts after it
             self.train_start = time.perf_counter()
         if state.global_step == self.warmup_steps:
@@ -320,6 +333,7 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         "train_s": train_s,
         "measured_steps": meter.steps - args.warmup_steps_excluded,
         "measured_s": seconds,
+        "median_step_ms": 1000 * meter.median_step_s(),
         "supervised_block_tokens": tokens,
         "supervised_block_tokens_per_s": tokens / seconds if measured else float("nan"),
         "peak_memory_gib": peak,
@@ -346,9 +360,9 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
 
 def print_table(results: list[dict]) -> None:
     fmt = lambda x, spec: "n/a" if x is None or x != x else format(x, spec)  # noqa: E731
-    print("\n| drafter | steps | measured s | supervised tokens/s | peak GiB | held-out tau_prob / tau_greedy "
-          "| accept@1..K | cache B/token |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| drafter | steps | measured s | median step ms | supervised tokens/s | peak GiB "
+          "| held-out tau_prob / tau_greedy | accept@1..K | cache B/token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         h = r["heldout"]
         compiled = ", compiled layers" if r.get("compile_draft_layers") else ""
@@ -359,7 +373,7 @@ def print_table(results: list[dict]) -> None:
             compiled += f", loss chunks of {r['loss_chunk_elements']:,} elements"
         shape = f"{r['draft']['layers']} layers, MLP {r['draft']['intermediate_size']}"
         print(f"| {r['algorithm']} ({shape}{compiled}) | {r['steps']} "
-              f"| {fmt(r['measured_s'], '.1f')} "
+              f"| {fmt(r['measured_s'], '.1f')} | {fmt(r.get('median_step_ms'), '.1f')} "
               f"| {fmt(r['supervised_block_tokens_per_s'], ',.0f')} | {r['peak_memory_gib']:.2f} "
               f"| {fmt(h['tau_prob'], '.3f')} / {fmt(h['tau_greedy'], '.3f')} "
               f"| {' '.join(fmt(x, '.2f') for x in h['accept_at_k'])} "

@@ -199,6 +199,7 @@ def test_train_throughput_smoke_runs_each_variant_as_asked(tmp_path, axis):
         assert [run["draft"]["intermediate_size"] for run in report["runs"]] == [1536, 768]
         assert [run["loss_chunk_elements"] for run in report["runs"]] == [2**26, 2**26]  # the trainer's default
     assert all(run["steps"] == 3 for run in report["runs"])
+    assert all(run["median_step_ms"] > 0 for run in report["runs"])  # steps 2 and 3 (1 left out as warm-up)
 
 
 def test_draft_draw_ops_counts_every_drafter_and_temperature(tmp_path):

@@ -230,6 +230,18 @@ def test_flex_block_mask_matches_dense_mask(qwen3):
     torch.testing.assert_close(flex.confidence_logits, dense.confidence_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_auto_attention_takes_flex_on_cuda_only_for_heads_its_kernel_takes(qwen3):
+    """flex's GPU kernel needs head_dim >= 16: "auto" keeps narrower (tiny) drafts on the dense mask there, where
+    flex would stop training with an inductor error."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    narrow = block_draft(DSparkModel, qwen3, head_dim=8)
+    assert not narrow._use_flex(cuda)
+    wide = block_draft(DSparkModel, qwen3, head_dim=16)
+    assert wide._use_flex(cuda) and not wide._use_flex(cpu)
+    narrow.block_mask_kind = "flex"  # asked for explicitly: honoured (its error is then torch's, and on the asker)
+    assert narrow._use_flex(cuda)
+
+
 @pytest.mark.parametrize(
     "context,num_blocks,block_size",
     [(40, 4, 7), (1024, 146, 7), (300, 37, 7), (512, 20, 16), (256, 3, 200), (384, 3, 128), (130, 3, 1)],
