@@ -176,6 +176,19 @@ def main(argv=None):
     cache_probe = probe_cache_sizes(args, target, tokenizer, eval_rows) if args.probe_cache_rows else {}
 
     results, max_steps = [], args.max_steps
+    report = {
+        "benchmark": "train_throughput",
+        "command": "python " + " ".join(sys.argv),
+        "smoke": args.smoke,
+        "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "target": target_path,
+        "train_rows": len(train_rows),
+        "eval_rows": len(eval_rows),
+        "cache_probe": cache_probe,
+        "runs": results,
+    }
     variants = [(a, c, r, b, w, e, g) for a in args.algorithms for c in args.compile_draft_layers
                 for r in args.loss_rows for b in args.batch_copy for w in args.intermediate_size
                 for e in args.loss_chunk_elements for g in args.target_cuda_graphs]  # fmt: skip
@@ -194,22 +207,9 @@ def main(argv=None):
         results.append(result)
         if index == 0 and args.same_steps:
             max_steps = result["steps"]  # later runs: the same number of optimizer steps
-    report = {
-        "benchmark": "train_throughput",
-        "command": "python " + " ".join(sys.argv),
-        "smoke": args.smoke,
-        "device": torch.cuda.get_device_name() if cuda else (platform.processor() or "cpu"),
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "target": target_path,
-        "train_rows": len(train_rows),
-        "eval_rows": len(eval_rows),
-        "cache_probe": cache_probe,
-        "runs": results,
-    }
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        if args.output:  # after every run: a run stopped later keeps the finished ones
+            with open(args.output, "w") as f:
+                json.dump(report, f, indent=2)
     print_table(results)
     for dtype, info in cache_probe.items():
         print(f"cache probe {dtype}: {info['bytes_per_token']:.0f} bytes/token over {info['tokens']} tokens "
