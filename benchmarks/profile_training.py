@@ -74,8 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--loss_backend", default=None, help="loss backend (auto/triton/torch) where supported")
     p.add_argument("--compile_target", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the online target's decoder layers (default: the trainer's, on CUDA)")
-    p.add_argument("--target_cuda_graphs", action="store_true",
-                   help="replay the online target's forward from CUDA graphs (the trainer's target_cuda_graphs)")
+    p.add_argument("--target_cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the online target's forward from CUDA graphs (the trainer's target_cuda_graphs; "
+                   "default: the trainer's, on CUDA)")
     p.add_argument("--torch_compile", action="store_true",
                    help="the Trainer's torch_compile=True (the draft compiled; the trainer step's time shows it)")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])

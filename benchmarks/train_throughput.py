@@ -89,9 +89,9 @@ def parse_args(argv=None):
                    help="elements of the loss's [rows, V] fp32 buffer per chunk, one run each (default: the "
                    "trainer's, 2**26: 1,280 rows at V 49,152; larger chunks mean fewer chunks a step, so fewer "
                    "launches and compiled calls for the host to issue)")  # fmt: skip
-    p.add_argument("--target_cuda_graphs", nargs="+", choices=["off", "on"], default=["off"],
-                   help="the online target's forward plain (off, the trainer's default) or replayed from CUDA graphs "
-                   "(on: the trainer's target_cuda_graphs), or both in turn")  # fmt: skip
+    p.add_argument("--target_cuda_graphs", nargs="+", choices=["off", "on"], default=None,
+                   help="the online target's forward plain (off) or replayed from CUDA graphs (on: the trainer's "
+                   "target_cuda_graphs), or both in turn; default as the trainer: on with CUDA")  # fmt: skip
     p.add_argument("--dataloader_num_workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -106,6 +106,8 @@ def parse_args(argv=None):
         args.compile_loss = cuda
     if args.compile_draft_layers is None:
         args.compile_draft_layers = ["on" if cuda else "off"]
+    if args.target_cuda_graphs is None:
+        args.target_cuda_graphs = ["on" if cuda else "off"]
     if args.dataloader_num_workers is None:
         args.dataloader_num_workers = 2 if cuda and args.mode == "cached" else 0
     return args

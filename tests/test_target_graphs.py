@@ -4,6 +4,8 @@ one (on a GPU)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import FAMILIES, make_tiny_target
@@ -56,6 +58,17 @@ def test_sliding_window_targets_keep_their_own_masking():
     assert "sliding" in explicit_mask_unsupported(make_tiny_target("gemma3"))
     captured = CapturedTargetFeatures(make_tiny_target("gemma3"))
     assert captured(*_batch()[:1], LAYERS) is None and "sliding" in captured.failed
+
+
+def test_the_default_setting_passes_over_unsupported_targets_quietly(caplog):
+    """On by default on CUDA: a target that cannot take the explicit mask is logged at info level, not warned about;
+    asked for explicitly, it is warned about."""
+    with caplog.at_level(logging.INFO, logger="hf_dspark.training.target_graphs"):
+        CapturedTargetFeatures(make_tiny_target("gemma3"), quiet=True)
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        caplog.clear()
+        CapturedTargetFeatures(make_tiny_target("gemma3"))
+        assert [r.levelno for r in caplog.records] == [logging.WARNING]
 
 
 def test_off_cuda_it_serves_nothing_and_the_caller_runs_the_plain_forward():

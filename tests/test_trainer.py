@@ -653,7 +653,7 @@ def test_defaults_are_the_tested_recipe():
     assert args.train_sampling_strategy == "group_by_length" and args.loss_backend == "torch"
     assert args.bf16 is False and args.compile_loss is False  # no GPU: full precision, eager loss
     assert args.compile_target is False  # the online target compiled on CUDA only
-    assert args.compile_draft_layers is False
+    assert args.compile_draft_layers is False and args.target_cuda_graphs is False
     assert args.max_loop_repeats == 2  # cut answers keep two repeats of a final loop
     from hf_dspark.data.cli import BuildCacheArguments
 
@@ -728,8 +728,11 @@ def test_compiled_parts_default_on_with_cuda(monkeypatch, tmp_path):
     monkeypatch.setattr(arguments, "_bf16_available", lambda: False)
     args = DraftTrainingArguments(output_dir=str(tmp_path))
     assert args.compile_loss is True and args.compile_target is True and args.compile_draft_layers is True
-    args = DraftTrainingArguments(output_dir=str(tmp_path), compile_target=False, compile_draft_layers=False)
-    assert args.compile_target is False and args.compile_draft_layers is False
+    assert args.target_cuda_graphs is True and args._target_cuda_graphs_defaulted
+    args = DraftTrainingArguments(output_dir=str(tmp_path), compile_target=False, compile_draft_layers=False,
+                                  target_cuda_graphs=False)  # fmt: skip
+    assert args.compile_target is False and args.compile_draft_layers is False and args.target_cuda_graphs is False
+    assert not args._target_cuda_graphs_defaulted
     args = DraftTrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True)
     assert args.compile_draft_layers is False
     args = DraftTrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, compile_draft_layers=True)

@@ -119,12 +119,14 @@ class DraftTrainingArguments(TrainingArguments):
                   "fewer launches; one layer's compilation serves all). Default: on CUDA (SmolLM2 on an H200: "
                   "the target's forward 33.9 -> 18.4 ms of an 89 -> 71 ms step)."},
     )
-    target_cuda_graphs: bool = field(
-        default=False,
+    target_cuda_graphs: bool | None = field(
+        default=None,
         metadata={"help": "Replay the online target's no-grad forward from CUDA graphs, one per batch shape "
                   "(captured after the compiled layers warm up; the host issues one graph launch instead of every "
-                  "layer's kernels). CUDA only; a failed capture falls back to the plain forward with a warning."},
-    )
+                  "layer's kernels). Default: on CUDA, quietly off for targets that take no explicit 4-D mask "
+                  "(flash/flex attention, sliding windows). A failed capture falls back to the plain forward with "
+                  "a warning."},
+    )  # fmt: skip
     compile_draft_layers: bool | None = field(
         default=None,
         metadata={"help": "torch.compile the draft's layer methods for training (fused norms, rotary, residuals and "
@@ -188,6 +190,9 @@ class DraftTrainingArguments(TrainingArguments):
             self.compile_loss = on_cuda
         if self.compile_target is None:
             self.compile_target = on_cuda
+        self._target_cuda_graphs_defaulted = self.target_cuda_graphs is None  # quiet where the target cannot
+        if self.target_cuda_graphs is None:
+            self.target_cuda_graphs = on_cuda
         # Defaulted, the setting stays quiet where the trainer turns it off (the trainer reads this mark).
         self._compile_draft_layers_defaulted = self.compile_draft_layers is None
         if self.compile_draft_layers is None:

@@ -5,7 +5,8 @@ took the host longer than the GPU took to run them: in a profile of 16 conversat
 an H100 the GPU sat idle 21 ms a step while the host issued the target's forward (`benchmarks/profile_training.py`,
 `device_idle`). A captured graph replays the whole forward with one launch. One graph is kept per batch shape
 (training pads to a few lengths), after warm-up runs that compile the target's layers as `compile_target` does.
-Opt-in (`target_cuda_graphs`) until it is timed on a GPU (`train_throughput.py --target_cuda_graphs off on`).
+On by default on CUDA (`target_cuda_graphs`): on an H200 the host issued the forward in 0.6 ms (22.2 without graphs)
+and the GPU idled 0.24 ms a step during it (README, "Measured results").
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ class CapturedTargetFeatures:
     `layers` is the `CompiledLayers` of the target (or None): the warm-up and capture run inside it, so the graph
     replays the compiled kernels."""
 
-    def __init__(self, target, layers=None, max_shapes: int = 8):
+    def __init__(self, target, layers=None, max_shapes: int = 8, quiet: bool = False):
+        """quiet: an unsupported target is logged at info level (the default setting), not warned about."""
         self.target, self.layers, self.max_shapes = target, layers, max_shapes
         self.graphs: dict[tuple, tuple] = {}
         self.failed: str | None = explicit_mask_unsupported(target)
         if self.failed:
-            logger.warning("the online target's forward runs without CUDA graphs: %s", self.failed)
+            log = logger.info if quiet else logger.warning
+            log("the online target's forward runs without CUDA graphs: %s", self.failed)
 
     def __call__(self, input_ids: torch.Tensor, layer_ids: Sequence[int], attention_mask: torch.Tensor | None = None):
         if self.failed is not None or input_ids.device.type != "cuda":

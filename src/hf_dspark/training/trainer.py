@@ -227,7 +227,8 @@ class DraftTrainer(Trainer):
             if getattr(self.args, "compile_target", False):
                 self._compiled_target_layers = CompiledLayers(decoder_layers(self.target_model))
             if getattr(self.args, "target_cuda_graphs", False) and self.args.device.type == "cuda":
-                self._target_graphs = CapturedTargetFeatures(self.target_model, self._compiled_target_layers)
+                quiet = getattr(self.args, "_target_cuda_graphs_defaulted", False)
+                self._target_graphs = CapturedTargetFeatures(self.target_model, self._compiled_target_layers, quiet=quiet)
         self._compiled_draft_layers = self._draft_layer_compiler()
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
