@@ -1169,3 +1169,17 @@ def test_a_target_partitioned_by_zero3_is_refused_with_the_fix(tmp_path):
     next(target.parameters()).ds_id = 0  # what deepspeed.zero.Init leaves on every weight it partitions
     with pytest.raises(ValueError, match="partitioned by DeepSpeed ZeRO-3.*zero3_init_disabled"):
         DraftTrainer(args=make_args(tmp_path), train_dataset=tokenized_rows(), target_model=target)
+
+
+def test_the_step_unwraps_the_model_once_per_wrapper(tmp_path):
+    """compute_loss needs the bare draft every step; accelerate's unwrap_model reads package metadata on each call
+    (about 2 ms a step with DeepSpeed installed), so the trainer asks it once per wrapper object."""
+    args = make_args(tmp_path, max_steps=4)
+    trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=make_tiny_target("llama"))
+    calls = []
+    unwrap = trainer.accelerator.unwrap_model
+    trainer.accelerator.unwrap_model = lambda model, *a, **kw: calls.append(model) or unwrap(model, *a, **kw)
+    trainer.train()
+    stepped = [m for m in calls if m is trainer.model_wrapped or m is trainer.model]
+    assert trainer.state.global_step == 4 and len(stepped) <= 2, len(stepped)
+    assert trainer._unwrap(trainer.model_wrapped) is trainer.model

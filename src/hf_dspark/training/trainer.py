@@ -340,7 +340,7 @@ class DraftTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
-        draft = self.accelerator.unwrap_model(model)
+        draft = self._unwrap(model)
         inputs = dict(inputs)
         max_rows = inputs.pop(LOSS_ROWS_BOUND, None)
         if "context_features" not in inputs:
@@ -467,6 +467,14 @@ class DraftTrainer(Trainer):
         """lm_head and W2 under DeepSpeed ZeRO-3 (read by the loss outside a forward: see zero3.py), else none."""
         return zero3_loss_weights(draft) if getattr(self, "is_deepspeed_enabled", False) else []
 
+    def _unwrap(self, model):
+        """accelerate's `unwrap_model`, remembered per wrapper object: with DeepSpeed installed, accelerate 1.x reads
+        its package metadata on every call (2 ms of host time a step in a CPU profile of the trainer)."""
+        known = self.__dict__.setdefault("_unwrapped", {})
+        if id(model) not in known:  # the entry holds the wrapper, so its id is not reused while it is kept
+            known[id(model)] = (model, self.accelerator.unwrap_model(model))
+        return known[id(model)][1]
+
     def _gathered_output_weights(self, draft):
         """The loss's weights whole for its forward (ZeRO-3; the ones `training_step` already holds are left)."""
         return gathered([p for p in self._zero3_output_weights(draft) if all(p is not q for q in self._held_whole)])
@@ -477,7 +485,7 @@ class DraftTrainer(Trainer):
         as for any weight (the engine's backward flushes those reductions before the step returns)."""
         if not getattr(self, "is_deepspeed_enabled", False):  # every other run: nothing more a step
             return super().training_step(model, inputs, num_items_in_batch)
-        trained = [p for p in self._zero3_output_weights(self.accelerator.unwrap_model(model)) if p.requires_grad]
+        trained = [p for p in self._zero3_output_weights(self._unwrap(model)) if p.requires_grad]
         if not trained:
             return super().training_step(model, inputs, num_items_in_batch)
         with gathered(trained):
