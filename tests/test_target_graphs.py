@@ -92,3 +92,21 @@ def test_replayed_features_equal_the_plain_forward_for_each_batch(family):
         torch.testing.assert_close(out[0][real], ctx[real])
         torch.testing.assert_close(out[1][real], last[real])
     assert len(captured.graphs) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphs_of_several_batch_shapes_replayed_in_turn_keep_their_own_features():
+    """Training pads to a few lengths: one graph per shape, replayed in any order, each equal to the plain forward."""
+    target = make_tiny_target("llama", attn_implementation="sdpa").cuda()
+    captured = CapturedTargetFeatures(target)
+    ids, mask = _batch("cuda")
+    shapes = [(ids, mask), (ids[:, :8].contiguous(), mask[:, :8].contiguous()), (ids[:2], mask[:2])]
+    for turn in range(2):
+        for batch_ids, batch_mask in shapes:
+            out = captured(batch_ids, LAYERS, batch_mask)
+            assert out is not None, captured.failed
+            ctx, last = target_features(target, batch_ids, LAYERS, batch_mask)
+            real = batch_mask.bool()
+            torch.testing.assert_close(out[0][real], ctx[real])
+            torch.testing.assert_close(out[1][real], last[real])
+    assert len(captured.graphs) == 3
