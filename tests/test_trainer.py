@@ -757,6 +757,8 @@ def test_optional_switches_take_a_bare_flag_on_the_command_line():
         assert parse("--compile_draft_layers", "false").compile_draft_layers is False
         assert parse().compile_draft_layers is False  # no CUDA here
         assert parse("--compile_target", "--no_fit_schedule_to_budget").compile_target is True
+        assert parse("--target_cuda_graphs", "false").target_cuda_graphs is False
+        assert parse("--target_cuda_graphs").target_cuda_graphs is True  # asked for; CPU runs still capture nothing
 
 
 def test_length_grouped_order_is_fixed_by_data_seed_and_epoch():
