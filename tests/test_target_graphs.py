@@ -77,6 +77,15 @@ def test_off_cuda_it_serves_nothing_and_the_caller_runs_the_plain_forward():
     assert captured(ids, LAYERS, mask) is None and not captured.graphs and captured.failed is None
 
 
+def _assert_replay_is_the_plain_forward(captured, target, ids, mask):
+    out = captured(ids, LAYERS, mask)
+    assert out is not None, captured.failed
+    ctx, last = target_features(target, ids, LAYERS, mask)
+    real = mask.bool()
+    torch.testing.assert_close(out[0][real], ctx[real])
+    torch.testing.assert_close(out[1][real], last[real])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_replayed_features_equal_the_plain_forward_for_each_batch(family):
@@ -85,12 +94,7 @@ def test_replayed_features_equal_the_plain_forward_for_each_batch(family):
     for seed in range(3):  # new contents in the same buffers: each replay reads this batch
         ids, mask = _batch("cuda")
         ids = (ids + seed) % 90 + 3
-        out = captured(ids, LAYERS, mask)
-        assert out is not None, captured.failed
-        ctx, last = target_features(target, ids, LAYERS, mask)
-        real = mask.bool()
-        torch.testing.assert_close(out[0][real], ctx[real])
-        torch.testing.assert_close(out[1][real], last[real])
+        _assert_replay_is_the_plain_forward(captured, target, ids, mask)
     assert len(captured.graphs) == 1
 
 
@@ -103,10 +107,5 @@ def test_graphs_of_several_batch_shapes_replayed_in_turn_keep_their_own_features
     shapes = [(ids, mask), (ids[:, :8].contiguous(), mask[:, :8].contiguous()), (ids[:2], mask[:2])]
     for turn in range(2):
         for batch_ids, batch_mask in shapes:
-            out = captured(batch_ids, LAYERS, batch_mask)
-            assert out is not None, captured.failed
-            ctx, last = target_features(target, batch_ids, LAYERS, batch_mask)
-            real = batch_mask.bool()
-            torch.testing.assert_close(out[0][real], ctx[real])
-            torch.testing.assert_close(out[1][real], last[real])
+            _assert_replay_is_the_plain_forward(captured, target, batch_ids, batch_mask)
     assert len(captured.graphs) == 3
