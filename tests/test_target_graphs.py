@@ -77,8 +77,53 @@ def test_off_cuda_it_serves_nothing_and_the_caller_runs_the_plain_forward():
     assert captured(ids, LAYERS, mask) is None and not captured.graphs and captured.failed is None
 
 
+class _CapturedOnCPU(CapturedTargetFeatures):
+    """The runner's bookkeeping on CPU: a 'capture' that records the call and 'replays' the plain forward."""
+
+    captures = 0
+
+    @staticmethod
+    def _serves(input_ids):
+        return True
+
+    def _capture(self, input_ids, layer_ids, attention_mask):
+        self.captures += 1
+        ids, mask = input_ids.clone(), attention_mask.clone()
+        outputs = list(target_features(self.target, ids, layer_ids, mask))
+
+        class Graph:
+            def replay(self):
+                outputs[:] = target_features(captured_target, ids, layer_ids, mask)
+
+        captured_target = self.target
+        return Graph(), ids, mask, outputs
+
+
+def test_a_shape_is_captured_when_it_comes_a_second_time():
+    """One-off shapes (an epoch's last batch, the evaluation's) run plain and keep no graph; a shape that comes again
+    is captured once and replayed from then on, reading each call's batch; past max_shapes the plain forward runs."""
+    target = make_tiny_target("llama")
+    runner = _CapturedOnCPU(target, max_shapes=2)
+    ids, mask = _batch()
+    short = (ids[:, :8].contiguous(), mask[:, :8].contiguous())
+    assert runner(ids, LAYERS, mask) is None and runner(*short[:1], LAYERS, short[1]) is None  # first sightings
+    for seed in range(3):
+        new_ids = (ids + seed) % 90 + 3
+        out = runner(new_ids, LAYERS, mask)
+        ctx, last = target_features(target, new_ids, LAYERS, mask)
+        torch.testing.assert_close(out[0], ctx)
+        torch.testing.assert_close(out[1], last)
+    assert runner.captures == 1 and len(runner.graphs) == 1
+    assert runner(*short[:1], LAYERS, short[1]) is not None and runner.captures == 2
+    third = (ids[:2], mask[:2])
+    assert runner(*third[:1], LAYERS, third[1]) is None and runner(*third[:1], LAYERS, third[1]) is None  # cap
+    assert runner.captures == 2
+
+
 def _assert_replay_is_the_plain_forward(captured, target, ids, mask):
     out = captured(ids, LAYERS, mask)
+    if out is None and captured.failed is None:
+        out = captured(ids, LAYERS, mask)  # a shape's first call runs plain; its second captures
     assert out is not None, captured.failed
     ctx, last = target_features(target, ids, LAYERS, mask)
     real = mask.bool()

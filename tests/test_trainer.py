@@ -907,11 +907,12 @@ def test_the_target_forward_comes_from_its_graphs_where_they_serve_it(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_training_with_the_target_from_cuda_graphs_matches_the_plain_forward(tmp_path):
-    """On a GPU, target_cuda_graphs captures the target's forward once per batch shape and the run's losses are the
-    plain run's (float32 weights; the captured path passes an explicit mask, so equal up to kernel rounding)."""
+    """On a GPU, target_cuda_graphs captures the target's forward once per batch shape (when the shape comes a
+    second time: two epochs here) and the run's losses are the plain run's (float32 weights; the captured path passes
+    an explicit mask, so equal up to kernel rounding)."""
     losses = {}
     for graphs in (False, True):
-        args = make_args(tmp_path, use_cpu=False, bf16=False, compile_target=False, compile_loss=False,
+        args = make_args(tmp_path, use_cpu=False, bf16=False, compile_target=False, compile_loss=False, max_steps=8,
                          compile_draft_layers=False, target_cuda_graphs=graphs, pad_to_multiple_of=32)  # fmt: skip
         target = make_tiny_target("llama", attn_implementation="sdpa")
         trainer = DraftTrainer(args=args, train_dataset=tokenized_rows(), target_model=target)

@@ -48,8 +48,10 @@ class CapturedTargetFeatures:
     layer ids).
 
     Calling it copies the batch into the shape's static buffers, replays, and returns copies of the outputs (a later
-    replay overwrites the graph's own). It returns None where it cannot serve the call: not on CUDA, more than
-    `max_shapes` shapes, or after a capture failed (logged once; the caller then runs the forward uncaptured).
+    replay overwrites the graph's own). It returns None where it cannot serve the call: not on CUDA, a shape's first
+    call, more than `max_shapes` shapes, or after a capture failed (logged once; the caller then runs the forward
+    uncaptured). A shape is captured when it comes a second time: one-off shapes (an epoch's last, smaller batch,
+    the evaluation's) cost no warm-up and capture and keep no graph memory.
     `layers` is the `CompiledLayers` of the target (or None): the warm-up and capture run inside it, so the graph
     replays the compiled kernels."""
 
@@ -57,19 +59,23 @@ class CapturedTargetFeatures:
         """quiet: an unsupported target is logged at info level (the default setting), not warned about."""
         self.target, self.layers, self.max_shapes = target, layers, max_shapes
         self.graphs: dict[tuple, tuple] = {}
+        self.seen: set[tuple] = set()  # shapes called once, not captured (yet)
         self.failed: str | None = explicit_mask_unsupported(target)
         if self.failed:
             log = logger.info if quiet else logger.warning
             log("the online target's forward runs without CUDA graphs: %s", self.failed)
 
     def __call__(self, input_ids: torch.Tensor, layer_ids: Sequence[int], attention_mask: torch.Tensor | None = None):
-        if self.failed is not None or input_ids.device.type != "cuda":
+        if self.failed is not None or not self._serves(input_ids):
             return None
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         key = (tuple(input_ids.shape), input_ids.device, tuple(layer_ids))
         entry = self.graphs.get(key)
         if entry is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                return None
             if len(self.graphs) >= self.max_shapes:
                 return None
             entry = self._capture(input_ids, list(layer_ids), attention_mask)
@@ -81,6 +87,10 @@ class CapturedTargetFeatures:
         mask.copy_(attention_mask, non_blocking=True)
         graph.replay()
         return tuple(t.clone() for t in outputs)
+
+    @staticmethod
+    def _serves(input_ids: torch.Tensor) -> bool:
+        return input_ids.device.type == "cuda"
 
     def _capture(self, input_ids, layer_ids, attention_mask):
         ids, mask = input_ids.clone(), attention_mask.clone()
