@@ -1,6 +1,6 @@
 """Compiled layer methods for training, swapped in only inside a `with` block.
 
-The trainer compiles the online target's decoder layers (`compile_target`) and, opt-in, the draft's own layer
+The trainer compiles the online target's decoder layers (`compile_target`) and the draft's own layer
 methods (`compile_draft_layers`). Outside the block each layer keeps its own methods, so `generate()`, saving and
 the inference paths never see the compiled ones.
 """
