@@ -1186,3 +1186,6 @@ def test_the_step_unwraps_the_model_once_per_wrapper(tmp_path):
     stepped = [m for m in calls if m is trainer.model_wrapped or m is trainer.model]
     assert trainer.state.global_step == 4 and len(stepped) <= 2, len(stepped)
     assert trainer._unwrap(trainer.model_wrapped) is trainer.model
+    for _ in range(3):  # models of later trials (hyperparameter search) do not keep earlier ones alive
+        trainer._unwrap(torch.nn.Linear(1, 1))
+    assert len(trainer._unwrapped) == 2
