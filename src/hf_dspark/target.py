@@ -341,6 +341,14 @@ def explicit_mask_unsupported(target: nn.Module, sliding: bool | None = None) ->
     return None
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean "may attend" mask as the target's attention adds it: 0 where allowed, the dtype's minimum elsewhere.
+    eager attention takes only this form, and sdpa turns a boolean mask into it in every layer, so a mask built
+    once for all layers (verification, training's captured forward) is built in this form."""
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
 def static_cache_length(prompts: Iterable[Sequence[int]], max_new_tokens: int, step: int = 256) -> int:
     """One static-cache length for every generate() call of a run: its longest prompt + max_new_tokens, rounded up
     to `step`, so the compiled decoding step keeps one shape (the speed tools' baseline, `regenerate`)."""
@@ -358,6 +366,7 @@ __all__ = [
     "static_cache_length",
     "has_sliding_layers",
     "explicit_mask_unsupported",
+    "additive_mask",
     "final_norm",
     "validate_layer_ids",
     "target_config_hash",

@@ -76,7 +76,7 @@ from transformers.generation import logits_process
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from ..sampling import TokenSampler, apply_logits_processors, apply_position_free, sample_from
-from ..target import TargetFeatureHooks, explicit_mask_unsupported
+from ..target import TargetFeatureHooks, additive_mask, explicit_mask_unsupported
 from .draft_graphs import graphs_supported, static_draft_runner
 from .round_graph import fused_round_runner
 from .target_graphs import static_target_runner
@@ -1117,8 +1117,7 @@ class _Decoder:
         rows, width = mask.shape[0], window_attention.shape[0]
         past = mask.bool()[:, None, None, :].expand(rows, 1, width, mask.shape[1])
         full = torch.cat([past, window_attention[None, None].expand(rows, 1, width, width)], dim=-1)
-        additive = torch.zeros(full.shape, dtype=self.mask_dtype, device=full.device)
-        return additive.masked_fill_(~full, torch.finfo(self.mask_dtype).min)
+        return additive_mask(full, self.mask_dtype)
 
     # -- output --------------------------------------------------------------------------------------------
 

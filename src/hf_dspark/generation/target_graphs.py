@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from ..target import additive_mask
 from .cuda_graphs import capture, capture_or_uncompiled, captured_or_warned, kept_runner
 from .rejection import tree_attention
 
@@ -124,8 +125,7 @@ class StaticTargetRunner:
             inside = (rel >= 0) & (rel < self.width)
             in_window = inside & self.window_attention[:, rel[0].clamp(0, self.width - 1)]
         allowed = self.key_valid[:, None, None, :] | in_window[None, None]
-        zero = torch.zeros((), dtype=self.mask_dtype, device=allowed.device)
-        return torch.where(allowed, zero, torch.finfo(self.mask_dtype).min)
+        return additive_mask(allowed, self.mask_dtype)
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.cache.write_cols = self.length_t + self.slot

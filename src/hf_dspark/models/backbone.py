@@ -15,6 +15,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..target import additive_mask
 from .configuration_draft import DraftConfig
 
 try:  # flex_attention exists on every torch this package supports, but keep CPU-only installs importable.
@@ -124,9 +125,7 @@ def attend(
     else:
         if implementation == "eager" and mask is not None:
             # transformers' eager attention adds the mask: turn "may attend" into 0 / -inf.
-            mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~mask, torch.finfo(query.dtype).min
-            )
+            mask = additive_mask(mask, query.dtype)
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, ALL_ATTENTION_FUNCTIONS["sdpa"])
         out, _ = interface(module, query, key, value, mask, dropout=0.0, scaling=module.scaling, is_causal=False)
     return out.reshape(out.shape[0], out.shape[1], -1)

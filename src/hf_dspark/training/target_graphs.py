@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from ..compilation import capture
-from ..target import explicit_mask_unsupported, target_features
+from ..target import additive_mask, explicit_mask_unsupported, target_features
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,7 @@ def target_mask(target, attention_mask: torch.Tensor) -> torch.Tensor:
     """`padded_causal_mask` as the target's attention adds it: 0 / the dtype's minimum in the target's dtype. eager
     attention takes only this form; sdpa takes a boolean one too but turns it into this in every layer (the same
     choice as the verification mask of `generation.speculative`)."""
-    sees = padded_causal_mask(attention_mask)
-    additive = torch.zeros(sees.shape, dtype=target.dtype, device=sees.device)
-    return additive.masked_fill_(~sees, torch.finfo(target.dtype).min)
+    return additive_mask(padded_causal_mask(attention_mask), target.dtype)
 
 
 class CapturedTargetFeatures:
