@@ -46,7 +46,8 @@ def test_padded_causal_mask_rule():
 
 def test_which_targets_take_an_explicit_mask():
     """One rule for training's captured forward and generation's verify masks: sdpa/eager, no sliding windows."""
-    assert "attn_implementation='sdpa'" in explicit_mask_unsupported(make_tiny_target("llama", attn_implementation="flex_attention"))
+    flex = make_tiny_target("llama", attn_implementation="flex_attention")
+    assert "attn_implementation='sdpa'" in explicit_mask_unsupported(flex)
     qwen2 = make_tiny_target("qwen2")
     assert not has_sliding_layers(qwen2.config)  # Qwen2 names a window but leaves it off (use_sliding_window=False)
     assert "sliding" in explicit_mask_unsupported(qwen2, sliding=True)  # generation passes its cache's flags
@@ -88,14 +89,13 @@ class _CapturedOnCPU(CapturedTargetFeatures):
 
     def _capture(self, input_ids, layer_ids, attention_mask):
         self.captures += 1
-        ids, mask = input_ids.clone(), attention_mask.clone()
-        outputs = list(target_features(self.target, ids, layer_ids, mask))
+        target, ids, mask = self.target, input_ids.clone(), attention_mask.clone()
+        outputs = list(target_features(target, ids, layer_ids, mask))
 
         class Graph:
             def replay(self):
-                outputs[:] = target_features(captured_target, ids, layer_ids, mask)
+                outputs[:] = target_features(target, ids, layer_ids, mask)
 
-        captured_target = self.target
         return Graph(), ids, mask, outputs
 
 

@@ -221,14 +221,17 @@ class DraftTrainer(Trainer):
         self.target_model = None
         self._compiled_target_layers = None
         self._target_graphs: CapturedTargetFeatures | None = None
+        self._unwrapped: dict[int, tuple] = {}  # `_unwrap`'s memo
         self._evaluate_in_grad_mode = True  # until a grad-mode evaluation fails (prediction_step)
         if target_model is not None:
             self.target_model = target_model.to(self.args.device).eval().requires_grad_(False)
             if getattr(self.args, "compile_target", False):
                 self._compiled_target_layers = CompiledLayers(decoder_layers(self.target_model))
             if getattr(self.args, "target_cuda_graphs", False) and self.args.device.type == "cuda":
-                quiet = getattr(self.args, "_target_cuda_graphs_defaulted", False)
-                self._target_graphs = CapturedTargetFeatures(self.target_model, self._compiled_target_layers, quiet=quiet)
+                self._target_graphs = CapturedTargetFeatures(
+                    self.target_model, self._compiled_target_layers,
+                    quiet=getattr(self.args, "_target_cuda_graphs_defaulted", False),
+                )
         self._compiled_draft_layers = self._draft_layer_compiler()
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
@@ -470,7 +473,7 @@ class DraftTrainer(Trainer):
     def _unwrap(self, model):
         """accelerate's `unwrap_model`, remembered per wrapper object: with DeepSpeed installed, accelerate 1.x reads
         its package metadata on every call (2 ms of host time a step in a CPU profile of the trainer)."""
-        known = self.__dict__.setdefault("_unwrapped", {})
+        known = self._unwrapped
         if id(model) not in known:  # the entry holds the wrapper, so its id is not reused while it is kept
             if len(known) >= 2:  # training's wrapper and evaluation's model; older ones (a past trial's) let go
                 del known[next(iter(known))]
