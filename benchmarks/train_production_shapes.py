@@ -37,6 +37,7 @@ from _bench_common import device_idle, hardware  # noqa: E402
 from hf_dspark import DSparkConfig, DSparkModel
 from hf_dspark.models import backbone
 from hf_dspark.training.arguments import draft_layer_compile_blocker
+from hf_dspark.training import loss_buffers
 from hf_dspark.training.compiled_layers import compiled_draft_layers
 from hf_dspark.training.losses import DEFAULT_CHUNK_ELEMENTS, block_draft_loss
 from hf_dspark.training.trainer import PROFILE_RANGE
@@ -392,6 +393,9 @@ def main(argv=None):
         "flex_kernel_options": args.flex_kernel_options,
         "loss_rows_counted_on": args.loss_rows,
         "chunk_elements": args.chunk_elements,
+        # Whether the loss's products accumulated bf16 inputs into fp32 in the GEMM itself (False: a separate pass
+        # over each [rows, V] buffer; None: never tried, e.g. off CUDA).
+        "fused_fp32_accumulation": {"mm": loss_buffers._MM_OUT_DTYPE_OK, "addmm": loss_buffers._ADDMM_OUT_DTYPE_OK},
         "shapes": {
             "hidden": cfg.hidden_size, "layers": cfg.num_hidden_layers, "intermediate": cfg.intermediate_size,
             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,

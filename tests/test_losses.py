@@ -216,6 +216,31 @@ def test_the_fused_addmm_is_checked_once_and_dropped_when_it_fails(fault, monkey
     torch.testing.assert_close(loss_buffers._addmm_acc_(c, a, b), want + (a @ b).float())  # the plain path now
 
 
+def test_a_dispatch_mode_does_not_switch_the_fused_products_off(monkeypatch):
+    """FlopCounterMode (the production-shapes benchmark counts a step's FLOPs before timing) rejects addmm's `out=`
+    after the kernel ran; a failure under such a mode must neither add the product twice nor switch the fused
+    kernels off for the rest of the process. Here the fused kernels do not exist (CPU): under the mode the plain
+    path runs, counted and right, and both verdicts stay where they were."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_dspark.training import loss_buffers
+
+    monkeypatch.setattr(loss_buffers, "_ADDMM_OUT_DTYPE_OK", None)
+    monkeypatch.setattr(loss_buffers, "_MM_OUT_DTYPE_OK", True)
+    monkeypatch.setattr(loss_buffers, "_gemm_accumulates", lambda a, acc_dtype: True)
+    gen = torch.Generator().manual_seed(6)
+    c = torch.randn(4, 6, generator=gen)
+    a, b = torch.randn(4, 3, generator=gen).bfloat16(), torch.randn(6, 3, generator=gen).bfloat16().T
+    want = c + a.float() @ b.float()
+    with FlopCounterMode(display=False) as counter:
+        loss_buffers._addmm_acc_(c, a, b)
+        product = loss_buffers._mm_acc(a, b, torch.float32)
+    torch.testing.assert_close(c, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(product, a.float() @ b.float(), rtol=1e-2, atol=1e-2)
+    assert counter.get_total_flops() == 2 * (2 * 4 * 6 * 3)
+    assert loss_buffers._ADDMM_OUT_DTYPE_OK is None and loss_buffers._MM_OUT_DTYPE_OK is True
+
+
 def test_fused_head_loss_refuses_a_trainable_lm_head():
     W = torch.randn(10, 4, requires_grad=True)
     with pytest.raises(ValueError, match="freeze_target_io"):

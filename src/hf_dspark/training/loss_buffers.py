@@ -28,6 +28,14 @@ def _gemm_accumulates(a: torch.Tensor, acc_dtype: torch.dtype) -> bool:
     return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and acc_dtype == torch.float32
 
 
+def _dispatch_mode_active() -> bool:
+    """A Python dispatch mode (torch's FlopCounterMode, an operator counter, a tracer) sees every operator. Its own
+    failures say nothing of a kernel: FlopCounterMode's addmm formula rejects `out=` after the kernel ran. A failure
+    under one must not switch the fused kernels off for the rest of the process (a FLOP count before a timed run
+    did, and the timed steps then paid an extra pass over every [rows, V] buffer)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
 def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
     """a @ b returned in acc_dtype; half-precision inputs accumulate straight into fp32 where supported."""
     global _MM_OUT_DTYPE_OK
@@ -35,7 +43,8 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.T
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE_OK = False
+            if not _dispatch_mode_active():
+                _MM_OUT_DTYPE_OK = False
     return (a @ b).to(acc_dtype)
 
 
@@ -50,7 +59,9 @@ def _addmm_acc_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     global _ADDMM_OUT_DTYPE_OK
     if a.dtype == c.dtype:
         return c.addmm_(a, b)
-    if _ADDMM_OUT_DTYPE_OK is not False and _gemm_accumulates(a, c.dtype):
+    # Under a dispatch mode the in-place kernel may have written c before the mode raised: the plain path, and no
+    # verdict on the kernel (probed, or used, outside modes only).
+    if _ADDMM_OUT_DTYPE_OK is not False and _gemm_accumulates(a, c.dtype) and not _dispatch_mode_active():
         expected = c + _mm_acc(a, b, c.dtype) if _ADDMM_OUT_DTYPE_OK is None else None
         try:
             torch.addmm(c, a, b, out_dtype=torch.float32, out=c)
