@@ -51,13 +51,17 @@ class CapturedTargetFeatures:
     uncaptured). A shape is captured when it comes a second time: one-off shapes (an epoch's last, smaller batch,
     the evaluation's) cost no warm-up and capture and keep no graph memory.
     `layers` is the `CompiledLayers` of the target (or None): the warm-up and capture run inside it, so the graph
-    replays the compiled kernels."""
+    replays the compiled kernels.
+    All shapes' graphs share one memory pool: a graph may reuse the memory another graph's intermediates and outputs
+    took, which is safe because every replay's outputs are copied before anything else runs on the stream (one
+    forward's worth of activations for all shapes, not one per shape)."""
 
     def __init__(self, target, layers=None, max_shapes: int = 8, quiet: bool = False):
         """quiet: an unsupported target is logged at info level (the default setting), not warned about."""
         self.target, self.layers, self.max_shapes = target, layers, max_shapes
         self.graphs: dict[tuple, tuple] = {}
         self.seen: set[tuple] = set()  # shapes called once, not captured (yet)
+        self._pool = None  # the graphs' shared memory pool, made at the first capture
         self.failed: str | None = explicit_mask_unsupported(target)
         if self.failed:
             log = logger.info if quiet else logger.warning
@@ -97,13 +101,16 @@ class CapturedTargetFeatures:
             return target_features(self.target, ids, layer_ids, target_mask(self.target, mask))
 
         try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
             with self.layers if self.layers is not None else contextlib.nullcontext():
-                graph, outputs = capture(forward)
+                graph, outputs = capture(forward, pool=self._pool)
         except Exception as err:  # noqa: BLE001 - the uncaptured forward computes the same features
             self.failed = f"{type(err).__name__}: {err}"
             logger.warning("the online target's forward runs without CUDA graphs (capture failed: %s); "
                            "target_cuda_graphs=False skips the attempt", self.failed)  # fmt: skip
             self.graphs.clear()
+            self._pool = None
             return None
         return graph, ids, mask, outputs
 
