@@ -79,7 +79,8 @@ def parse_args(argv=None):
                    "default: the trainer's, on CUDA)")
     p.add_argument("--torch_compile", action="store_true",
                    help="the Trainer's torch_compile=True (the draft compiled; the trainer step's time shows it)")
-    p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"],
+                   help="the draft's training attention (block_mask_kind): auto is each drafter's default")
     p.add_argument("--dataloader_num_workers", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny random target and synthetic conversations")
@@ -128,8 +129,7 @@ def build(args, cuda: bool, output_dir: str):
         disable_tqdm=True, **extra,
     )  # fmt: skip
     trainer = DraftTrainer(args=training_args, train_dataset=rows, target_model=target)
-    if hasattr(trainer.model, "block_mask_kind"):
-        trainer.model.block_mask_kind = args.attention
+    trainer.model.block_mask_kind = args.attention
     return trainer
 
 

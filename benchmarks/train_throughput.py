@@ -71,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--time_budget", type=float, default=300.0,
                    help="seconds of training per drafter, counted from the end of the first (compiling) step")
     p.add_argument("--warmup_steps_excluded", type=int, default=5, help="first steps left out of tokens/s")
-    p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"])
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"],
+                   help="the draft's training attention (block_mask_kind): auto is each drafter's default")
     p.add_argument("--compile_loss", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--compile_draft_layers", nargs="+", choices=["off", "on"], default=None,
                    help="train each drafter with its layer methods eager (off), compiled (on), or both in turn "
@@ -275,8 +276,7 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
     )  # fmt: skip
     torch.manual_seed(args.seed)
     draft = build_draft(target, training_args)
-    if hasattr(draft, "block_mask_kind"):
-        draft.block_mask_kind = args.attention
+    draft.block_mask_kind = args.attention
 
     cache_info = {}
     online_target = target

@@ -230,6 +230,81 @@ def test_flex_block_mask_matches_dense_mask(qwen3):
     torch.testing.assert_close(flex.confidence_logits, dense.confidence_logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_eagle3_flex_attention_matches_the_explicit_scores(qwen3, padded):
+    """Eagle3's TTT steps through flex_attention (CUDA's default) give the explicit-scores path's states, with and
+    without padding in the batch; flex runs on CPU too (compiled, forward only), where this test checks it."""
+    draft = trained_looking(Eagle3Model.from_target(qwen3, block_size=3))
+    ids, feats, last = inputs(qwen3, draft.config.target_layer_ids, batch=2, seq=150)  # keys over two 128-tiles
+    lm = torch.ones_like(ids)
+    am = torch.ones_like(ids)
+    if padded:
+        am[1, 97:] = 0
+    with torch.no_grad():
+        draft.block_mask_kind = "dense"
+        dense = draft(ids, feats, lm, attention_mask=am)
+        draft.block_mask_kind = "flex"
+        flex = draft(ids, feats, lm, attention_mask=am)
+    real = am.bool()
+    torch.testing.assert_close(flex.hidden_states[:, real], dense.hidden_states[:, real], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward runs on CUDA")
+def test_eagle3_flex_attention_trains_as_the_explicit_scores_on_cuda(qwen3):
+    """On CUDA (where "auto" takes flex), the TTT steps' states and every parameter's gradient equal the
+    explicit-scores path's, with padding in the batch."""
+    draft = trained_looking(Eagle3Model.from_target(qwen3, block_size=3, head_dim=16)).float().cuda().train()
+    ids, feats, last = (t.cuda() for t in inputs(qwen3, draft.config.target_layer_ids, batch=2, seq=150))
+    lm, am = torch.ones_like(ids), torch.ones_like(ids)
+    am[1, 97:] = 0
+    results = []
+    for kind in ("dense", "flex"):
+        draft.block_mask_kind = kind
+        out = draft(ids, feats.float(), lm, attention_mask=am)
+        states = out.hidden_states[:, am.bool()]
+        params = [p for p in draft.parameters() if p.requires_grad]
+        results.append((states.detach(), torch.autograd.grad(states.square().sum(), params)))
+    (dense, dense_grads), (flex, flex_grads) = results
+    # flex may take TF32 for its fp32 products; a wrong mask is off by far more
+    torch.testing.assert_close(flex, dense, rtol=1e-2, atol=1e-2)
+    for got, want in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("seq,total,step", [(40, 3, 0), (40, 3, 2), (150, 4, 1), (256, 7, 6), (300, 2, 1)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_eagle3_ttt_tiles_match_create_block_mask(seq, total, step, padded):
+    """The tile map of a TTT step, built from bounds, equals create_block_mask's from the dense rule: an extra tile
+    costs time, a missing or wrongly full one would change the attention."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from hf_dspark.models.anchors import FLEX_TILE
+    from hf_dspark.models.eagle3.modeling_eagle3 import ttt_tiles
+
+    valid = None
+    if padded:
+        valid = torch.ones(2, seq, dtype=torch.bool)
+        valid[1, seq // 2 :] = False
+    kv_len = -(-total * seq // FLEX_TILE) * FLEX_TILE
+    q, kv = torch.arange(seq)[:, None], torch.arange(kv_len)[None, :]
+    block, k = kv // seq, kv % seq
+    rule = ((block == 0) & (k <= q)) | ((block > 0) & (block <= step) & (k == q))  # [T, KV]
+    dense = rule[None].expand(2, -1, -1) & (valid[:, None, :].repeat(1, 1, total + 1)[..., :kv_len] | (block > 0)
+                                           if valid is not None else True)  # fmt: skip
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return dense[b, q_idx, kv_idx]
+
+    expected = create_block_mask(mask_mod, 2, None, seq, kv_len, device="cpu")
+    partial, full = ttt_tiles(valid, seq, step, kv_len, torch.device("cpu"))
+    partial, full = (t.expand(2, -1, -1, -1) for t in (partial, full))
+    for tiles, num, idx in ((partial, expected.kv_num_blocks, expected.kv_indices),
+                            (full, expected.full_kv_num_blocks, expected.full_kv_indices)):  # fmt: skip
+        listed = torch.arange(idx.shape[-1]) < num[..., None]
+        reference = torch.zeros_like(tiles).scatter_(-1, idx.long(), listed)
+        assert torch.equal(tiles, reference)
+
+
 def test_auto_attention_takes_flex_on_cuda_only_for_heads_its_kernel_takes(qwen3):
     """flex's GPU kernel needs head_dim >= 16: "auto" keeps narrower (tiny) drafts on the dense mask there, where
     flex would stop training with an inductor error."""
@@ -240,6 +315,10 @@ def test_auto_attention_takes_flex_on_cuda_only_for_heads_its_kernel_takes(qwen3
     assert wide._use_flex(cuda) and not wide._use_flex(cpu)
     narrow.block_mask_kind = "flex"  # asked for explicitly: honoured (its error is then torch's, and on the asker)
     assert narrow._use_flex(cuda)
+    eagle3 = Eagle3Model.from_target(qwen3, block_size=3, head_dim=16)  # opt-in until its backward ran on a GPU
+    assert not eagle3._use_flex(cuda)
+    eagle3.block_mask_kind = "flex"
+    assert eagle3._use_flex(cuda)
 
 
 @pytest.mark.parametrize(

@@ -81,11 +81,8 @@ def teacher_forced_estimates(
 
 @contextlib.contextmanager
 def _dense_block_mask(draft):
-    """Block drafters attend through the dense mask here: flex attention would compile anew for every evaluation
-    length, for a handful of batches."""
-    if not hasattr(draft, "block_mask_kind"):
-        yield
-        return
+    """Drafts attend through the dense mask here: flex attention would compile anew for every evaluation length,
+    for a handful of batches."""
     own = "block_mask_kind" in vars(draft)
     saved = draft.block_mask_kind
     draft.block_mask_kind = "dense"

@@ -149,9 +149,7 @@ def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size
         raise RuntimeError("flex_attention is not available in this torch build")
     batch, num_blocks = anchor_positions.shape
     q_len = num_blocks * block_size
-    kv_len = context_len + q_len
-    if anchor_positions.device.type == "cpu":
-        kv_len = -(-kv_len // FLEX_TILE) * FLEX_TILE
+    kv_len = flex_key_length(context_len + q_len, anchor_positions.device)
     q_anchor = anchor_positions.repeat_interleave(block_size, dim=1)  # [B, Q]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -161,6 +159,18 @@ def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size
         return (in_ctx & sees_ctx) | (~in_ctx & same_block)
 
     partial, full = anchor_block_tiles(q_anchor, context_len, block_size, kv_len)
+    return tiles_block_mask(partial, full, mask_mod, q_len, kv_len)
+
+
+def flex_key_length(kv_len: int, device: torch.device) -> int:
+    """The key length a BlockMask covers: on CPU whole 128-key tiles (`flex_block_mask` says why; `attend` pads the
+    keys to it), on CUDA the keys themselves."""
+    return -(-kv_len // FLEX_TILE) * FLEX_TILE if device.type == "cpu" else kv_len
+
+
+def tiles_block_mask(partial: torch.Tensor, full: torch.Tensor, mask_mod, q_len: int, kv_len: int):
+    """A BlockMask from tile maps bool [B, 1, Q tiles, KV tiles] (partly / wholly attended tiles) and the rule
+    `mask_mod` applied inside the partial ones."""
     try:
         return BlockMask.from_kv_blocks(
             *_ordered_tiles(partial), *_ordered_tiles(full), BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod,
@@ -170,8 +180,7 @@ def flex_block_mask(anchor_positions: torch.Tensor, context_len: int, block_size
         from torch.nn.attention.flex_attention import create_block_mask
 
         logger.warning("BlockMask.from_kv_blocks failed (%s); using create_block_mask", err)
-        device = anchor_positions.device
-        return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, _compile=True)
+        return create_block_mask(mask_mod, partial.shape[0], None, q_len, kv_len, device=partial.device, _compile=True)
 
 
 def anchor_block_tiles(
@@ -230,4 +239,6 @@ __all__ = [
     "block_positions",
     "dense_block_mask",
     "flex_block_mask",
+    "flex_key_length",
+    "tiles_block_mask",
 ]

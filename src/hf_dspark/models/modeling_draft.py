@@ -108,6 +108,19 @@ class DraftPreTrainedModel(PreTrainedModel):
     compiled_layer_methods: tuple[str, ...] = ("forward",)
     # Whether `_extend` reads the token after each committed position (Eagle3); block drafters ignore it.
     extends_with_next_tokens: bool = False
+    # The training forward's attention. "auto": flex_attention with a sparse BlockMask on CUDA (where the drafter
+    # takes it by default, `flex_by_default`), the equivalent dense mask elsewhere and for heads narrower than flex's
+    # GPU kernel takes (it needs head_dim >= 16: tiny test drafts); "flex" / "dense" force one.
+    block_mask_kind: str = "auto"
+    flex_by_default: bool = True
+    FLEX_MIN_HEAD_DIM = 16
+
+    def _use_flex(self, device: torch.device) -> bool:
+        if self.block_mask_kind not in ("auto", "flex", "dense"):
+            raise ValueError(f"block_mask_kind must be 'auto', 'flex' or 'dense', got {self.block_mask_kind!r}")
+        if self.block_mask_kind == "auto":
+            return self.flex_by_default and device.type == "cuda" and self.config.head_dim >= self.FLEX_MIN_HEAD_DIM
+        return self.block_mask_kind == "flex"
 
     # -- construction -----------------------------------------------------------------------------------------
 

@@ -90,18 +90,6 @@ class DSparkModel(DraftPreTrainedModel):
                 hidden = layer(hidden, cos, sin, context_kv, mask)
         return self.norm(hidden)
 
-    # "auto": flex_attention with a sparse BlockMask on CUDA, the equivalent dense boolean mask elsewhere and for
-    # heads narrower than flex's GPU kernel takes (it needs head_dim >= 16: tiny test drafts).
-    block_mask_kind: str = "auto"
-    FLEX_MIN_HEAD_DIM = 16
-
-    def _use_flex(self, device: torch.device) -> bool:
-        if self.block_mask_kind not in ("auto", "flex", "dense"):
-            raise ValueError(f"block_mask_kind must be 'auto', 'flex' or 'dense', got {self.block_mask_kind!r}")
-        if self.block_mask_kind == "auto":
-            return device.type == "cuda" and self.config.head_dim >= self.FLEX_MIN_HEAD_DIM
-        return self.block_mask_kind == "flex"
-
     def forward(
         self,
         input_ids: torch.LongTensor,

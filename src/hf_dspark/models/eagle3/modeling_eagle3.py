@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
+from ..anchors import FLEX_TILE, flex_key_length, tiles_block_mask
 from ..backbone import DraftAttention, DraftMLP, DraftRMSNorm, attend
 from ..context_cache import DraftContextCache
 from ..modeling_draft import DraftPreTrainedModel, DraftProposal, stack_or_none
@@ -64,6 +65,9 @@ class Eagle3Model(DraftPreTrainedModel):
     _no_split_modules = ["Eagle3DecoderLayer"]
     compiled_layer_methods = ("inputs", "finish")  # the attention in between runs per TTT step, uncompiled
     extends_with_next_tokens = True  # the step-0 entry of a position embeds the token after it
+    # The TTT steps through flex_attention (`_ttt_flex_attention`) are opt-in (block_mask_kind="flex") until their
+    # backward has run on a GPU: their forward is checked against the explicit scores on CPU only.
+    flex_by_default = False
 
     def __init__(self, config: Eagle3Config):
         super().__init__(config)
@@ -104,12 +108,12 @@ class Eagle3Model(DraftPreTrainedModel):
         g = self.project_context(context_features)  # [B, T, d]
         dtype = g.dtype
         positions = torch.arange(seq, device=device).expand(batch, seq)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-        if attention_mask is not None:
-            causal = causal[None] & attention_mask.bool()[:, None, :]
-        else:
-            causal = causal[None]
-
+        flex = self._use_flex(device)
+        valid = attention_mask.bool() if attention_mask is not None else None
+        causal = None
+        if not flex:
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None]
+            causal = causal & valid[:, None, :] if valid is not None else causal
         keys, values, outputs = [], [], []
         for j in range(steps):
             tokens = _shift(input_ids, 1 + j)
@@ -119,7 +123,10 @@ class Eagle3Model(DraftPreTrainedModel):
             key, value = attn.project_kv(x, cos, sin)
             keys.append(key)
             values.append(value)
-            out = _ttt_attention(attn, query, keys, values, causal)
+            if flex:
+                out = _ttt_flex_attention(attn, query, keys, values, valid, steps)
+            else:
+                out = _ttt_attention(attn, query, keys, values, causal)
             g = self.layer.finish(residual, attn.o_proj(out))
             outputs.append(self.norm(g))
 
@@ -261,4 +268,70 @@ def _ttt_attention(attn: DraftAttention, query, keys, values, causal) -> torch.T
     return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-__all__ = ["Eagle3Model", "Eagle3Output", "Eagle3DecoderLayer"]
+def _ttt_flex_attention(attn: DraftAttention, query, keys, values, key_valid, total_steps: int) -> torch.Tensor:
+    """`_ttt_attention`'s rule through flex_attention: no [T, T] scores in memory, one kernel forward and backward.
+
+    Keys and values are every step's, `[step 0; step 1; ...]`, with the steps not yet run as zeros that the mask
+    hides, so every step has the same shapes (one compiled kernel for all of them; a step's mask lists only the
+    tiles it reads). key_valid bool [B, T] or None: the attention mask of the step-0 keys."""
+    pad = [torch.zeros_like(keys[0])] * (total_steps - len(keys))
+    key, value = torch.cat([*keys, *pad], dim=2), torch.cat([*values, *pad], dim=2)
+    mask = ttt_block_mask(key_valid, query.shape[2], total_steps, len(keys) - 1, query.device)
+    return attend(attn, query, key, value, mask, "sdpa")
+
+
+def ttt_block_mask(key_valid, seq: int, total_steps: int, step: int, device: torch.device):
+    """The flex BlockMask of TTT step `step`: query t sees step-0 keys k <= t (where key_valid) and its own position's
+    key of steps 1..step; keys are `total_steps` blocks of `seq` (later steps' blocks masked out)."""
+    kv_len = flex_key_length(total_steps * seq, device)
+    last = torch.tensor(step, device=device)  # a tensor, not a constant: one compiled kernel for every step
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = kv_idx // seq
+        k = kv_idx - block * seq
+        causal = (block == 0) & (k <= q_idx)
+        if key_valid is not None:
+            causal = causal & key_valid[b, k]
+        return causal | ((block > 0) & (block <= last) & (k == q_idx))
+
+    partial, full = ttt_tiles(key_valid, seq, step, kv_len, device)
+    return tiles_block_mask(partial, full, mask_mod, seq, kv_len)
+
+
+def ttt_tiles(key_valid, seq: int, step: int, kv_len: int, device: torch.device):
+    """(partial, full) tile maps [B, 1, Q tiles, KV tiles] of `ttt_block_mask`'s rule, from per-tile bounds: the
+    causal step-0 tiles (full where every key is before every query and valid) and, for steps 1..step, the tiles
+    that hold a query's own-position key (partial)."""
+    tile = FLEX_TILE
+    q0 = torch.arange(-(-seq // tile), device=device) * tile
+    q1 = (q0 + tile).clamp(max=seq)
+    k0 = torch.arange(-(-kv_len // tile), device=device) * tile
+    k1 = (k0 + tile).clamp(max=kv_len)
+    # Step-0 keys k in [k0, min(k1, seq, q1)): some (valid) key at or before some query of the tile. [B, QT, KT]
+    hi0 = torch.minimum(k1.clamp(max=seq)[None, :], q1[:, None])
+    lo0 = k0.clamp(max=seq)[None, :].expand_as(hi0)
+    if key_valid is None:
+        live = (lo0 < hi0)[None]
+    else:
+        counts = torch.nn.functional.pad(key_valid.long().cumsum(-1), (1, 0))  # [B, T + 1]: valid keys before k
+        at = lambda x: counts.gather(1, x.reshape(1, -1).expand(counts.shape[0], -1)).view(-1, *x.shape)  # noqa: E731
+        live = (lo0 < hi0)[None] & (at(hi0) > at(lo0))
+    for block in range(1, step + 1):  # the keys of block `block` inside each tile, as positions
+        lo, hi = (x.clamp(block * seq, (block + 1) * seq) - block * seq for x in (k0, k1))
+        overlap = torch.maximum(lo[None, :], q0[:, None]) < torch.minimum(hi[None, :], q1[:, None])
+        live = live | ((lo < hi)[None, :] & overlap)
+    whole = ((q1 - q0) == tile)[:, None] & ((k1 - k0) == tile)[None, :]
+    full = whole & (k1[None, :] <= seq) & (k1[None, :] - 1 <= q0[:, None])  # every key before every query
+    batch = 1 if key_valid is None else key_valid.shape[0]
+    full = full.expand(batch, -1, -1)
+    if key_valid is not None:  # ... and valid in this row
+        tiles = -(-seq // tile)
+        padded = torch.nn.functional.pad(key_valid, (0, tiles * tile - seq), value=False)
+        valid_tile = padded.view(batch, tiles, tile).all(-1)  # [B, step-0 key tiles]
+        valid_tile = torch.nn.functional.pad(valid_tile, (0, k0.numel() - tiles), value=False)
+        full = full & valid_tile[:, None, :]
+    partial = live & ~full
+    return partial.unsqueeze(1), full.unsqueeze(1)
+
+
+__all__ = ["Eagle3Model", "Eagle3Output", "Eagle3DecoderLayer", "ttt_block_mask"]
