@@ -190,10 +190,13 @@ def phase_times(trainer, steps: int, warmup: int, cuda: bool, synchronized: bool
 
 
 class _StepClock:
-    """Trainer callback: wall time of each optimizer step (device synchronized at step ends)."""
+    """Trainer callback: wall time of each optimizer step (device synchronized at step ends), and whether the step
+    did one-time work (compiled something, captured a CUDA graph)."""
 
     def __init__(self, cuda):
         from transformers import TrainerCallback
+
+        from hf_dspark.compilation import one_time_work_mark, one_time_work_since
 
         clock = self
 
@@ -201,27 +204,37 @@ class _StepClock:
             def on_step_begin(self, args, state, control, **kw):
                 if cuda:
                     torch.cuda.synchronize()
+                clock.mark = one_time_work_mark()
                 clock.begin = time.perf_counter()
 
             def on_step_end(self, args, state, control, **kw):
                 if cuda:
                     torch.cuda.synchronize()
                 clock.times.append(time.perf_counter() - clock.begin)
+                compile_s, captures = one_time_work_since(clock.mark)
+                clock.one_time.append(compile_s > 0 or captures > 0)
 
         self.times: list[float] = []
+        self.one_time: list[bool] = []
         self.callback = Callback()
 
 
-def trainer_steps(trainer, steps: int, warmup: int, cuda: bool) -> tuple[list[float], float]:
-    """trainer.train() for warmup + steps steps; (per-step seconds after warm-up, seconds to the first step end)."""
+def trainer_steps(trainer, steps: int, warmup: int, cuda: bool) -> tuple[list[float], float, int]:
+    """trainer.train() for warmup + steps steps; (seconds of each step after warm-up that did no one-time work,
+    seconds to the first step end, how many steps after warm-up were left out for it). Padded lengths first seen
+    after the warm-up compile inside their step; a median over such steps is no step time. All steps, if none is
+    free of it."""
     clock = _StepClock(cuda)
     trainer.add_callback(clock.callback)
-    trainer.args.max_steps = warmup + steps
-    start = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.args.max_steps = warmup + steps
+        trainer.train()
+    finally:
+        trainer.remove_callback(clock.callback)
     first = clock.times[0] if clock.times else float("nan")
-    del start
-    return clock.times[warmup:], first
+    after = list(zip(clock.times[warmup:], clock.one_time[warmup:]))
+    clean = [t for t, busy in after if not busy]
+    return (clean or [t for t, _ in after]), first, (len(after) - len(clean) if clean else 0)
 
 
 def kernel_table(trainer, steps: int, cuda: bool, warmup: int = 2) -> tuple[list[dict], dict]:
@@ -299,7 +312,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build(args, cuda, tmp)
         setup_s = time.perf_counter() - t0
-        step_s, first_s = trainer_steps(trainer, args.steps, args.warmup, cuda)
+        step_s, first_s, left_out = trainer_steps(trainer, args.steps, args.warmup, cuda)
         phases = phase_times(trainer, args.steps, 1, cuda)
         host = phase_times(trainer, args.steps, 1, cuda, synchronized=False)
         families, summary = ([], {})
@@ -318,6 +331,7 @@ def main(argv=None):
         "setup_s": setup_s,
         "time_to_first_step_end_s": first_s,
         "trainer_step_ms": statistics.median(step_s) * 1e3 if step_s else None,
+        "trainer_steps_left_out": left_out,  # measured steps that compiled or captured (their time is not a step's)
         "trainer_tokens_per_s": tokens / statistics.median(step_s) if step_s else None,
         "phase_ms": median,
         "phase_sum_ms": sum(median.values()),
@@ -328,7 +342,8 @@ def main(argv=None):
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
     }
     lines = [f"| {args.algorithm} | ms |", "|---|---|"]
-    lines += [f"| trainer step (median of {args.steps}) | {report['trainer_step_ms']:.1f} |",
+    lines += [f"| trainer step (median of {len(step_s)}; {left_out} that compiled left out) | "
+              f"{report['trainer_step_ms']:.1f} |",
               f"| first step end after start of train() | {first_s * 1e3:.0f} |"]  # fmt: skip
     lines += [f"| phase: {name} (synchronized / host issue) | {median[name]:.1f} / {host_median[name]:.1f} |"
               for name in PHASES]  # fmt: skip

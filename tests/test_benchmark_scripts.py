@@ -178,6 +178,29 @@ def test_profile_training_traces_steps_after_untraced_ones():
     assert summary["wall_ms_per_step"] > 0 and summary["device_busy_ms_per_step"] == 0
 
 
+def test_profile_training_step_median_leaves_out_steps_that_compiled(monkeypatch):
+    """A padded length first seen after the warm-up compiles inside its step: the trainer step's median leaves such
+    steps out (and says how many), and the clock's callback is gone afterwards."""
+    from hf_dspark import compilation
+
+    module = load_script("benchmarks/profile_training.py")
+    args = module.parse_args(["--device", "cpu", "--smoke"])
+    args.batch_size, args.max_length, args.num_anchors = 2, 64, 8
+    calls = []
+
+    def one_time_work_since(mark):  # steps 2 and 4 of 5 "compiled"
+        calls.append(mark)
+        return (1.5 if len(calls) in (2, 4) else 0.0), 0
+
+    monkeypatch.setattr(compilation, "one_time_work_since", one_time_work_since)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = module.build(args, False, tmp)
+        callbacks = list(trainer.callback_handler.callbacks)
+        times, first, left_out = module.trainer_steps(trainer, 4, 1, False)
+        assert trainer.callback_handler.callbacks == callbacks
+    assert len(calls) == 5 and left_out == 2 and len(times) == 2 and first > 0
+
+
 @pytest.mark.parametrize("axis", ["batch_copy", "intermediate_size"])
 def test_train_throughput_smoke_runs_each_variant_as_asked(tmp_path, axis):
     """benchmarks/train_throughput.py --batch_copy async wait / --intermediate_size A B: two runs, each reporting
