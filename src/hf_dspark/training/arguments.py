@@ -125,8 +125,8 @@ class DraftTrainingArguments(TrainingArguments):
                   "(captured when a shape comes a second time, after the compiled layers warm up; the host issues "
                   "one graph launch instead of every layer's kernels). Default: on CUDA, quietly off for targets "
                   "that take no explicit 4-D mask (flash/flex attention, sliding windows). A failed capture falls "
-                  "back to the plain forward with a warning. Each captured shape (at most 8) keeps the forward's "
-                  "transient memory in its own pool (SmolLM2, four padded lengths: +0.17 GiB peak)."},
+                  "back to the plain forward with a warning. The captured shapes (at most 8) share one memory pool "
+                  "for the forward's transient memory."},
     )  # fmt: skip
     compile_draft_layers: bool | None = field(
         default=None,
