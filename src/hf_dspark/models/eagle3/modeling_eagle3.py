@@ -307,29 +307,22 @@ def ttt_tiles(key_valid, seq: int, step: int, kv_len: int, device: torch.device)
     q1 = (q0 + tile).clamp(max=seq)
     k0 = torch.arange(-(-kv_len // tile), device=device) * tile
     k1 = (k0 + tile).clamp(max=kv_len)
+    whole = ((q1 - q0) == tile)[:, None] & ((k1 - k0) == tile)[None, :]
+    full = (whole & (k1[None, :] <= seq) & (k1[None, :] - 1 <= q0[:, None]))[None]  # every key before every query
     # Step-0 keys k in [k0, min(k1, seq, q1)): some (valid) key at or before some query of the tile. [B, QT, KT]
     hi0 = torch.minimum(k1.clamp(max=seq)[None, :], q1[:, None])
     lo0 = k0.clamp(max=seq)[None, :].expand_as(hi0)
-    if key_valid is None:
-        live = (lo0 < hi0)[None]
-    else:
-        counts = torch.nn.functional.pad(key_valid.long().cumsum(-1), (1, 0))  # [B, T + 1]: valid keys before k
+    live = (lo0 < hi0)[None]
+    if key_valid is not None:  # valid keys in [a, b) of a row: counts[b] - counts[a]
+        counts = torch.nn.functional.pad(key_valid.long().cumsum(-1), (1, 0))  # [B, T + 1]
         at = lambda x: counts.gather(1, x.reshape(1, -1).expand(counts.shape[0], -1)).view(-1, *x.shape)  # noqa: E731
-        live = (lo0 < hi0)[None] & (at(hi0) > at(lo0))
+        live = live & (at(hi0) > at(lo0))
+        ks0, ks1 = k0.clamp(max=seq), k1.clamp(max=seq)
+        full = full & ((at(ks1) - at(ks0)) == (ks1 - ks0))[:, None, :]  # ... and every key valid in this row
     for block in range(1, step + 1):  # the keys of block `block` inside each tile, as positions
         lo, hi = (x.clamp(block * seq, (block + 1) * seq) - block * seq for x in (k0, k1))
         overlap = torch.maximum(lo[None, :], q0[:, None]) < torch.minimum(hi[None, :], q1[:, None])
         live = live | ((lo < hi)[None, :] & overlap)
-    whole = ((q1 - q0) == tile)[:, None] & ((k1 - k0) == tile)[None, :]
-    full = whole & (k1[None, :] <= seq) & (k1[None, :] - 1 <= q0[:, None])  # every key before every query
-    batch = 1 if key_valid is None else key_valid.shape[0]
-    full = full.expand(batch, -1, -1)
-    if key_valid is not None:  # ... and valid in this row
-        tiles = -(-seq // tile)
-        padded = torch.nn.functional.pad(key_valid, (0, tiles * tile - seq), value=False)
-        valid_tile = padded.view(batch, tiles, tile).all(-1)  # [B, step-0 key tiles]
-        valid_tile = torch.nn.functional.pad(valid_tile, (0, k0.numel() - tiles), value=False)
-        full = full & valid_tile[:, None, :]
     partial = live & ~full
     return partial.unsqueeze(1), full.unsqueeze(1)
 
