@@ -232,8 +232,8 @@ def test_flex_block_mask_matches_dense_mask(qwen3):
 
 @pytest.mark.parametrize("padded", [None, False, True])
 def test_eagle3_flex_attention_matches_the_explicit_scores(qwen3, padded):
-    """Eagle3's TTT steps through flex_attention (CUDA's default) give the explicit-scores path's states, with and
-    without padding in the batch; flex runs on CPU too (compiled, forward only), where this test checks it."""
+    """Eagle3's TTT steps through flex_attention (`block_mask_kind="flex"`) give the explicit-scores path's states,
+    with and without padding in the batch; flex runs on CPU too (compiled, forward only), where this test checks it."""
     draft = trained_looking(Eagle3Model.from_target(qwen3, block_size=3))
     ids, feats, last = inputs(qwen3, draft.config.target_layer_ids, batch=2, seq=150)  # keys over two 128-tiles
     lm = torch.ones_like(ids)
@@ -252,7 +252,7 @@ def test_eagle3_flex_attention_matches_the_explicit_scores(qwen3, padded):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention's backward runs on CUDA")
 def test_eagle3_flex_attention_trains_as_the_explicit_scores_on_cuda(qwen3):
-    """On CUDA (where "auto" takes flex), the TTT steps' states and every parameter's gradient equal the
+    """On CUDA, the TTT steps' states and every parameter's gradient equal the
     explicit-scores path's, with padding in the batch."""
     draft = trained_looking(Eagle3Model.from_target(qwen3, block_size=3, head_dim=16)).float().cuda().train()
     ids, feats, last = (t.cuda() for t in inputs(qwen3, draft.config.target_layer_ids, batch=2, seq=150))
@@ -264,12 +264,15 @@ def test_eagle3_flex_attention_trains_as_the_explicit_scores_on_cuda(qwen3):
         out = draft(ids, feats.float(), lm, attention_mask=am)
         states = out.hidden_states[:, am.bool()]
         params = [p for p in draft.parameters() if p.requires_grad]
-        results.append((states.detach(), torch.autograd.grad(states.square().sum(), params)))
+        # A fixed random readout: the states are RMS-normed, so a loss like their squared sum is nearly constant in
+        # every parameter but the norm's weight, and its gradients are round-off that any tolerance would pass.
+        readout = torch.randn(states.shape, generator=torch.Generator().manual_seed(0)).cuda()
+        results.append((states.detach(), torch.autograd.grad((states * readout).sum(), params)))
     (dense, dense_grads), (flex, flex_grads) = results
     # flex may take TF32 for its fp32 products; a wrong mask is off by far more
     torch.testing.assert_close(flex, dense, rtol=1e-2, atol=1e-2)
     for got, want in zip(flex_grads, dense_grads):
-        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("seq,total,step", [(40, 3, 0), (40, 3, 2), (150, 4, 1), (256, 7, 6), (300, 2, 1)])
@@ -518,7 +521,9 @@ def test_compiled_draft_layers_share_one_graph_in_grad_mode_and_train_as_eager(q
 
     def grads():
         draft.zero_grad(set_to_none=True)
-        draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors).hidden_states.square().mean().backward()
+        states = draft(ids, feats, torch.ones_like(ids), anchor_positions=anchors).hidden_states
+        # a fixed random readout (the RMS-normed states' squared mean would leave most gradients near round-off)
+        (states * torch.randn(states.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
         return {name: p.grad.clone() for name, p in draft.named_parameters() if p.grad is not None}
 
     eager = grads()
