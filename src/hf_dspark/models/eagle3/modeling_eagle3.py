@@ -49,21 +49,26 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (attention input [.., 2d], residual [.., d])."""
+    # The layer's two halves around its attention, which differs between training (TTT steps) and decoding.
+    def attention_inputs(self, embeds, hidden, cos, sin) -> tuple[torch.Tensor, ...]:
+        """embeds, hidden [B, L, d] -> (query [B, H, L, hd], key, value [B, KV, L, hd], residual [B, L, d])."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.config.norm_before_residual else hidden
-        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        return (self.self_attn.project_q(x, cos, sin), *self.self_attn.project_kv(x, cos, sin), residual)
 
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = residual + attn_out
+        """attn_out [B, L, H * hd], the attention's heads before o_proj -> the layer's output [B, L, d]."""
+        hidden = residual + self.self_attn.o_proj(attn_out)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class Eagle3Model(DraftPreTrainedModel):
     config_class = Eagle3Config
     _no_split_modules = ["Eagle3DecoderLayer"]
-    compiled_layer_methods = ("inputs", "finish")  # the attention in between runs per TTT step, uncompiled
+    # The attention in between runs per TTT step, uncompiled; everything else a step issues is in these two graphs
+    # (the training step is host-bound: each operator left outside them is issued again at every step).
+    compiled_layer_methods = ("attention_inputs", "finish")
     extends_with_next_tokens = True  # the step-0 entry of a position embeds the token after it
     # The TTT steps through flex_attention (`_ttt_flex_attention`) are opt-in (block_mask_kind="flex") until their
     # backward has run on a GPU: their forward is checked against the explicit scores on CPU only.
@@ -117,17 +122,17 @@ class Eagle3Model(DraftPreTrainedModel):
         keys, values, outputs = [], [], []
         for j in range(steps):
             tokens = _shift(input_ids, 1 + j)
-            x, residual = self.layer.inputs(self.embed(tokens).to(dtype), g)
             cos, sin = self.rotary_emb(positions + j, dtype)
-            query = attn.project_q(x, cos, sin)
-            key, value = attn.project_kv(x, cos, sin)
-            keys.append(key)
-            values.append(value)
+            query, key, value, residual = self.layer.attention_inputs(self.embed(tokens).to(dtype), g, cos, sin)
             if flex:
+                keys.append(key)
+                values.append(value)
                 out = _ttt_flex_attention(attn, query, keys, values, valid, steps)
             else:
+                keys.append(_ttt_float_heads(attn, key))
+                values.append(_ttt_float_heads(attn, value))
                 out = _ttt_attention(attn, query, keys, values, causal)
-            g = self.layer.finish(residual, attn.o_proj(out))
+            g = self.layer.finish(residual, out)
             outputs.append(self.norm(g))
 
         # Labels and masks per step: step j at t predicts x_{t+2+j} from the target state at t+1+j.
@@ -156,9 +161,7 @@ class Eagle3Model(DraftPreTrainedModel):
         width = features.shape[1]
         positions, real = cache.slots(counts, width)
         cos, sin = self.rotary_emb(positions, dtype)
-        x, residual = self.layer.inputs(self.embed(next_token_ids).to(dtype), g)
-        query = attn.project_q(x, cos, sin)
-        key, value = attn.project_kv(x, cos, sin)
+        query, key, value, residual = self.layer.attention_inputs(self.embed(next_token_ids).to(dtype), g, cos, sin)
         length = cache.max_length
         old_k, old_v = cache.layer_kv(0, length)
         causal = torch.ones(width, width, dtype=torch.bool, device=g.device).tril()
@@ -170,7 +173,7 @@ class Eagle3Model(DraftPreTrainedModel):
             dim=-1,
         ).unsqueeze(1)
         out = attend(attn, query, torch.cat([old_k, key], 2), torch.cat([old_v, value], 2), mask, _impl(self))
-        out = self.layer.finish(residual, attn.o_proj(out))
+        out = self.layer.finish(residual, out)
         last = (counts - 1).clamp(min=0)
         new_last = out[torch.arange(out.shape[0], device=out.device), last]
         previous = cache.state.get("last_hidden")
@@ -197,10 +200,9 @@ class Eagle3Model(DraftPreTrainedModel):
         tokens, probs, logits = [], [], []
         for j in range(num_tokens):
             if j > 0:
-                x, residual = self.layer.inputs(self.embed(tokens[-1]).to(dtype)[:, None], hidden[:, None])
                 cos, sin = self.rotary_emb((base + j)[:, None], dtype)
-                query = attn.project_q(x, cos, sin)
-                key, value = attn.project_kv(x, cos, sin)
+                embeds = self.embed(tokens[-1]).to(dtype)[:, None]
+                query, key, value, residual = self.layer.attention_inputs(embeds, hidden[:, None], cos, sin)
                 draft_k.append(key)
                 draft_v.append(value)
                 mask = torch.cat([ctx_mask, ctx_mask.new_ones(rows, j)], dim=-1)[:, None, None, :]
@@ -212,7 +214,7 @@ class Eagle3Model(DraftPreTrainedModel):
                     mask,
                     _impl(self),
                 )
-                hidden = self.layer.finish(residual, attn.o_proj(out))[:, 0]
+                hidden = self.layer.finish(residual, out)[:, 0]
             step_logits = self.draft_logits(self.norm(hidden))
             if return_logits:  # cast once, and only when returned (see DSpark's block draw)
                 step_logits = step_logits.float()
@@ -249,23 +251,29 @@ def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 def _ttt_attention(attn: DraftAttention, query, keys, values, causal) -> torch.Tensor:
     """Step-j attention: causal over step-0 entries plus the diagonal (same position) of steps 1..j.
 
-    query [B, H, T, hd]; keys/values: lists of [B, KV, T, hd] for steps 0..j; causal bool [B|1, T, T].
-    Computed explicitly (scores [B, H, T, T] + j diagonal scores) instead of a T x (j+1)T mask.
+    query [B, H, T, hd]; keys/values: lists of the steps 0..j, each [B, H, T, hd] in float32 with the key-value
+    heads already repeated (`_ttt_float_heads`, once per step: the unroll reads them again at every later step);
+    causal bool [B|1, T, T]. Computed explicitly (scores [B, H, T, T] + the j diagonal scores, the later steps'
+    keys stacked so that each step issues the same few operators, whatever j: this path is host-bound) instead of
+    a T x (j+1)T mask.
     """
-    groups = attn.num_key_value_groups
-    expand = lambda t: t.repeat_interleave(groups, dim=1) if groups > 1 else t  # noqa: E731
-    q = query.float()
-    scores0 = torch.matmul(q, expand(keys[0]).float().transpose(-1, -2)) * attn.scaling
-    scores0 = scores0.masked_fill(~causal[:, None], float("-inf"))
-    diag = [(q * expand(k).float()).sum(-1, keepdim=True) * attn.scaling for k in keys[1:]]
-    scores = torch.cat([scores0, *diag], dim=-1)
-    weights = torch.softmax(scores, dim=-1)
-    seq = scores0.shape[-1]
-    out = torch.matmul(weights[..., :seq], expand(values[0]).float())
-    for i, v in enumerate(values[1:]):
-        out = out + weights[..., seq + i : seq + i + 1] * expand(v).float()
+    q = query.float() * attn.scaling
+    scores = [torch.matmul(q, keys[0].transpose(-1, -2)).masked_fill(~causal[:, None], float("-inf"))]
+    if len(keys) > 1:
+        scores.append((q.unsqueeze(-2) * torch.stack(keys[1:], dim=-2)).sum(-1))  # [B, H, T, j]
+    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    seq = q.shape[-2]
+    out = torch.matmul(weights[..., :seq], values[0])
+    if len(values) > 1:
+        out = out + (weights[..., seq:].unsqueeze(-1) * torch.stack(values[1:], dim=-2)).sum(-2)
     out = out.to(query.dtype).transpose(1, 2)
     return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def _ttt_float_heads(attn: DraftAttention, t: torch.Tensor) -> torch.Tensor:
+    """A step's keys or values [B, KV, T, hd] as `_ttt_attention` reads them: float32, one head per query head."""
+    groups = attn.num_key_value_groups
+    return (t.repeat_interleave(groups, dim=1) if groups > 1 else t).float()
 
 
 def _ttt_flex_attention(attn: DraftAttention, query, keys, values, key_valid, total_steps: int) -> torch.Tensor:
