@@ -57,6 +57,29 @@ class Eagle3DecoderLayer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         return (self.self_attn.project_q(x, cos, sin), *self.self_attn.project_kv(x, cos, sin), residual)
 
+    def ttt_attention(self, query, keys, values, causal, step: torch.Tensor) -> torch.Tensor:
+        """TTT step `step` of training, with explicit scores: a query at t attends the step-0 keys k <= t (`causal`)
+        and the step-1..`step` keys at t itself. query [B, H, T, hd]; keys, values [B, KV, S * T, hd]: the S steps'
+        one after another (`_ttt_steps_keys`; those after `step` are masked); causal bool [B|1, T, T]; step: a 0-d
+        tensor, not an int, so that training compiles one graph for every step -> [B, T, H * hd]."""
+        attn = self.self_attn
+        batch, _, seq, _ = query.shape
+        groups = attn.num_key_value_groups
+
+        def heads(t):  # [B, KV, S * T, hd] -> float [B, H, S, T, hd]
+            t = t.float().unflatten(2, (-1, seq))
+            return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+        k, v = heads(keys), heads(values)
+        q = query.float() * attn.scaling
+        scores = torch.matmul(q, k[:, :, 0].transpose(-1, -2)).masked_fill(~causal[:, None], float("-inf"))
+        own = (q.unsqueeze(2) * k[:, :, 1:]).sum(-1).transpose(-1, -2)  # [B, H, T, S - 1]: each later step's key at t
+        later = torch.arange(1, k.shape[2], device=q.device) <= step
+        weights = torch.softmax(torch.cat([scores, own.masked_fill(~later, float("-inf"))], dim=-1), dim=-1)
+        out = torch.matmul(weights[..., :seq], v[:, :, 0])
+        out = out + (weights[..., seq:].transpose(-1, -2).unsqueeze(-1) * v[:, :, 1:]).sum(2)
+        return out.to(query.dtype).transpose(1, 2).reshape(batch, seq, -1)
+
     def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """attn_out [B, L, H * hd], the attention's heads before o_proj -> the layer's output [B, L, d]."""
         hidden = residual + self.self_attn.o_proj(attn_out)
@@ -66,11 +89,12 @@ class Eagle3DecoderLayer(nn.Module):
 class Eagle3Model(DraftPreTrainedModel):
     config_class = Eagle3Config
     _no_split_modules = ["Eagle3DecoderLayer"]
-    # The attention in between runs per TTT step, uncompiled; everything else a step issues is in these two graphs
-    # (the training step is host-bound: each operator left outside them is issued again at every step).
-    compiled_layer_methods = ("attention_inputs", "finish")
+    # Each TTT step runs these three graphs (one per padded length, every step the same shapes) and little else: the
+    # training step is host-bound, and each operator left outside them is issued again at every step. The flex
+    # path's attention runs instead of ttt_attention (a compiled kernel of its own).
+    compiled_layer_methods = ("attention_inputs", "ttt_attention", "finish")
     extends_with_next_tokens = True  # the step-0 entry of a position embeds the token after it
-    # The TTT steps through flex_attention (`_ttt_flex_attention`) are opt-in (block_mask_kind="flex") until their
+    # The TTT steps through flex_attention (`ttt_block_mask`) are opt-in (block_mask_kind="flex") until their
     # backward has run on a GPU: their forward is checked against the explicit scores on CPU only.
     flex_by_default = False
 
@@ -120,18 +144,19 @@ class Eagle3Model(DraftPreTrainedModel):
             causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None]
             causal = causal & valid[:, None, :] if valid is not None else causal
         keys, values, outputs = [], [], []
+        step_ids = torch.arange(steps, device=device)
         for j in range(steps):
             tokens = _shift(input_ids, 1 + j)
             cos, sin = self.rotary_emb(positions + j, dtype)
             query, key, value, residual = self.layer.attention_inputs(self.embed(tokens).to(dtype), g, cos, sin)
+            keys.append(key)
+            values.append(value)
+            all_keys, all_values = _ttt_steps_keys(keys, steps), _ttt_steps_keys(values, steps)
             if flex:
-                keys.append(key)
-                values.append(value)
-                out = _ttt_flex_attention(attn, query, keys, values, valid, steps)
+                mask = ttt_block_mask(valid, seq, steps, j, device)
+                out = attend(attn, query, all_keys, all_values, mask, "sdpa")
             else:
-                keys.append(_ttt_float_heads(attn, key))
-                values.append(_ttt_float_heads(attn, value))
-                out = _ttt_attention(attn, query, keys, values, causal)
+                out = self.layer.ttt_attention(query, all_keys, all_values, causal, step_ids[j])
             g = self.layer.finish(residual, out)
             outputs.append(self.norm(g))
 
@@ -248,44 +273,12 @@ def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     return out
 
 
-def _ttt_attention(attn: DraftAttention, query, keys, values, causal) -> torch.Tensor:
-    """Step-j attention: causal over step-0 entries plus the diagonal (same position) of steps 1..j.
-
-    query [B, H, T, hd]; keys/values: lists of the steps 0..j, each [B, H, T, hd] in float32 with the key-value
-    heads already repeated (`_ttt_float_heads`, once per step: the unroll reads them again at every later step);
-    causal bool [B|1, T, T]. Computed explicitly (scores [B, H, T, T] + the j diagonal scores, the later steps'
-    keys stacked so that each step issues the same few operators, whatever j: this path is host-bound) instead of
-    a T x (j+1)T mask.
-    """
-    q = query.float() * attn.scaling
-    scores = [torch.matmul(q, keys[0].transpose(-1, -2)).masked_fill(~causal[:, None], float("-inf"))]
-    if len(keys) > 1:
-        scores.append((q.unsqueeze(-2) * torch.stack(keys[1:], dim=-2)).sum(-1))  # [B, H, T, j]
-    weights = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
-    seq = q.shape[-2]
-    out = torch.matmul(weights[..., :seq], values[0])
-    if len(values) > 1:
-        out = out + (weights[..., seq:].unsqueeze(-1) * torch.stack(values[1:], dim=-2)).sum(-2)
-    out = out.to(query.dtype).transpose(1, 2)
-    return out.reshape(out.shape[0], out.shape[1], -1)
-
-
-def _ttt_float_heads(attn: DraftAttention, t: torch.Tensor) -> torch.Tensor:
-    """A step's keys or values [B, KV, T, hd] as `_ttt_attention` reads them: float32, one head per query head."""
-    groups = attn.num_key_value_groups
-    return (t.repeat_interleave(groups, dim=1) if groups > 1 else t).float()
-
-
-def _ttt_flex_attention(attn: DraftAttention, query, keys, values, key_valid, total_steps: int) -> torch.Tensor:
-    """`_ttt_attention`'s rule through flex_attention: no [T, T] scores in memory, one kernel forward and backward.
-
-    Keys and values are every step's, `[step 0; step 1; ...]`, with the steps not yet run as zeros that the mask
-    hides, so every step has the same shapes (one compiled kernel for all of them; a step's mask lists only the
-    tiles it reads). key_valid bool [B, T] or None: the attention mask of the step-0 keys."""
+def _ttt_steps_keys(keys: list[torch.Tensor], total_steps: int) -> torch.Tensor:
+    """The keys (or values) of the TTT steps run so far, [B, KV, T, hd] each, as every step reads them: the
+    `total_steps` steps' one after another along the sequence, [B, KV, total_steps * T, hd], zeros for the steps not
+    yet run (masked out), so that every step has the same shapes."""
     pad = [torch.zeros_like(keys[0])] * (total_steps - len(keys))
-    key, value = torch.cat([*keys, *pad], dim=2), torch.cat([*values, *pad], dim=2)
-    mask = ttt_block_mask(key_valid, query.shape[2], total_steps, len(keys) - 1, query.device)
-    return attend(attn, query, key, value, mask, "sdpa")
+    return torch.cat([*keys, *pad], dim=2)
 
 
 def ttt_block_mask(key_valid, seq: int, total_steps: int, step: int, device: torch.device):
