@@ -240,6 +240,21 @@ def test_draft_draw_ops_counts_every_drafter_and_temperature(tmp_path):
     assert all(r["ms_per_proposal"] > 0 and r["cuda_graph"] is False for r in rows.values())  # timed eagerly on CPU
 
 
+def test_train_step_ops_counts_each_drafters_backward_nodes_with_and_without_compiled_layers(tmp_path):
+    """benchmarks/train_step_ops.py on CPU: compiled layer methods shrink every drafter's backward; Eagle3's seven
+    TTT steps each run its three compiled methods (the attention included) and few nodes besides them."""
+    module = load_script("benchmarks/train_step_ops.py")
+    out = tmp_path / "ops.json"
+    assert module.main(["--seq", "32", "--num_anchors", "4", "--json", str(out)]) == 0
+    rows = {(r["drafter"], r["compiled_layers"]): r for r in json.loads(out.read_text())["runs"]}
+    assert set(rows) == {(d, c) for d in ("dspark", "dflash", "eagle3") for c in (False, True)}
+    for d in ("dspark", "dflash", "eagle3"):
+        assert rows[d, False]["compiled_regions"] == 0 < rows[d, True]["compiled_regions"]
+        assert rows[d, True]["backward_nodes"] < rows[d, False]["backward_nodes"] / 3
+    assert rows["eagle3", True]["compiled_regions"] == 3 * 7
+    assert rows["eagle3", True]["backward_nodes"] < 8 * 21
+
+
 def test_draft_draw_ops_round_counts_a_whole_round_with_the_target_apart(tmp_path):
     """--round: one fused round per drafter, temperature and number of candidates, the target's verify forward and
     the draft's proposal counted apart from the rest; a greedy round spends fewer operators than a sampled one
