@@ -94,8 +94,9 @@ class Eagle3Model(DraftPreTrainedModel):
     # path's attention runs instead of ttt_attention (a compiled kernel of its own).
     compiled_layer_methods = ("attention_inputs", "ttt_attention", "finish")
     extends_with_next_tokens = True  # the step-0 entry of a position embeds the token after it
-    # The TTT steps through flex_attention (`ttt_block_mask`) are opt-in (block_mask_kind="flex") until their
-    # backward has run on a GPU: their forward is checked against the explicit scores on CPU only.
+    # The TTT steps through flex_attention (`ttt_block_mask`) are opt-in (block_mask_kind="flex"): they train as the
+    # explicit scores do (CUDA test), in less than half the memory, but the compiled explicit path was faster at
+    # SmolLM2's shapes (one H100, batch 16 x 1024: 82.5 against 115.2 ms a step; 12.1 against 5.7 GiB).
     flex_by_default = False
 
     def __init__(self, config: Eagle3Config):
