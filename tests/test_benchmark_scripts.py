@@ -252,7 +252,7 @@ def test_train_step_ops_counts_each_drafters_backward_nodes_with_and_without_com
         assert rows[d, False]["compiled_regions"] == 0 < rows[d, True]["compiled_regions"]
         assert rows[d, True]["backward_nodes"] < rows[d, False]["backward_nodes"] / 3
     assert rows["eagle3", True]["compiled_regions"] == 3 * 7
-    assert rows["eagle3", True]["backward_nodes"] < 8 * 21
+    assert rows["eagle3", True]["backward_nodes"] < 4 * 21  # and the output norm once for all steps
 
 
 def test_draft_draw_ops_round_counts_a_whole_round_with_the_target_apart(tmp_path):

@@ -159,7 +159,7 @@ class Eagle3Model(DraftPreTrainedModel):
             else:
                 out = self.layer.ttt_attention(query, all_keys, all_values, causal, step_ids[j])
             g = self.layer.finish(residual, out)
-            outputs.append(self.norm(g))
+            outputs.append(g)
 
         # Labels and masks per step: step j at t predicts x_{t+2+j} from the target state at t+1+j.
         labels, masks, targets = [], [], []
@@ -170,7 +170,7 @@ class Eagle3Model(DraftPreTrainedModel):
             if target_last_hidden is not None:
                 targets.append(_shift(target_last_hidden, 1 + j))
         return Eagle3Output(
-            hidden_states=torch.stack(outputs),
+            hidden_states=self.norm(torch.stack(outputs)),  # once for all steps: fewer operators to issue
             labels=torch.stack(labels),
             eval_mask=torch.stack(masks),
             target_hidden_states=torch.stack(targets) if targets else None,
