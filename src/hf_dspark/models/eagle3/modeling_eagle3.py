@@ -49,7 +49,8 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DraftRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    # The layer's two halves around its attention, which differs between training (TTT steps) and decoding.
+    # The layer is split around its attention, which differs between training (`ttt_attention`, or flex) and
+    # decoding (a KV cache): `attention_inputs` before it, `finish` after it.
     def attention_inputs(self, embeds, hidden, cos, sin) -> tuple[torch.Tensor, ...]:
         """embeds, hidden [B, L, d] -> (query [B, H, L, hd], key, value [B, KV, L, hd], residual [B, L, d])."""
         normed = self.hidden_norm(hidden)
