@@ -153,9 +153,11 @@ class Eagle3Model(DraftPreTrainedModel):
             query, key, value, residual = self.layer.attention_inputs(self.embed(tokens).to(dtype), g, cos, sin)
             keys.append(key)
             values.append(value)
-            all_keys, all_values = _ttt_steps_keys(keys, steps), _ttt_steps_keys(values, steps)
+            if j == 0:
+                blank = torch.zeros_like(key)  # the steps not yet run, for keys and values alike
+            all_keys, all_values = _ttt_steps_keys(keys, steps, blank), _ttt_steps_keys(values, steps, blank)
             if flex:
-                mask = ttt_block_mask(valid, seq, steps, j, device)
+                mask = ttt_block_mask(valid, seq, steps, j, device, step_id=step_ids[j])
                 out = attend(attn, query, all_keys, all_values, mask, "sdpa")
             else:
                 out = self.layer.ttt_attention(query, all_keys, all_values, causal, step_ids[j])
@@ -275,19 +277,20 @@ def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     return out
 
 
-def _ttt_steps_keys(keys: list[torch.Tensor], total_steps: int) -> torch.Tensor:
+def _ttt_steps_keys(keys: list[torch.Tensor], total_steps: int, blank: torch.Tensor) -> torch.Tensor:
     """The keys (or values) of the TTT steps run so far, [B, KV, T, hd] each, as every step reads them: the
-    `total_steps` steps' one after another along the sequence, [B, KV, total_steps * T, hd], zeros for the steps not
-    yet run (masked out), so that every step has the same shapes."""
-    pad = [torch.zeros_like(keys[0])] * (total_steps - len(keys))
-    return torch.cat([*keys, *pad], dim=2)
+    `total_steps` steps' one after another along the sequence, [B, KV, total_steps * T, hd], `blank` (zeros of that
+    shape) for the steps not yet run (masked out), so that every step has the same shapes."""
+    return torch.cat([*keys, *[blank] * (total_steps - len(keys))], dim=2)
 
 
-def ttt_block_mask(key_valid, seq: int, total_steps: int, step: int, device: torch.device):
+def ttt_block_mask(key_valid, seq: int, total_steps: int, step: int, device: torch.device, step_id=None):
     """The flex BlockMask of TTT step `step`: query t sees step-0 keys k <= t (where key_valid) and its own position's
-    key of steps 1..step; keys are `total_steps` blocks of `seq` (later steps' blocks masked out)."""
+    key of steps 1..step; keys are `total_steps` blocks of `seq` (later steps' blocks masked out). step_id: `step` as
+    a 0-d tensor on `device` (the training forward makes them once; default: made here)."""
     kv_len = flex_key_length(total_steps * seq, device)
-    last = torch.tensor(step, device=device)  # a tensor, not a constant: one compiled kernel for every step
+    # A tensor, not a constant: one compiled kernel for every step.
+    last = torch.tensor(step, device=device) if step_id is None else step_id
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = kv_idx // seq
