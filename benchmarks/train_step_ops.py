@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench_common import hardware, write_report  # noqa: E402
+from _bench_common import hardware, tiny_target, write_report  # noqa: E402
 
 from hf_dspark import DFlashModel, DSparkModel, Eagle3Model, target_features  # noqa: E402
 from hf_dspark.models.anchors import sample_anchors  # noqa: E402
@@ -46,17 +46,6 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None)
     return p.parse_args(argv)
-
-
-def tiny_target(device):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        "llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=4096,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).to(device).eval()
 
 
 def backward_nodes(loss: torch.Tensor) -> collections.Counter:
@@ -82,13 +71,11 @@ def measure(args, target, name: str, compiled: bool) -> dict:
     loss_mask = torch.ones_like(ids)
     with torch.no_grad():
         feats, last = target_features(target, ids, draft.config.target_layer_ids)
-    kwargs = dict(attention_mask=torch.ones_like(ids))
-    if name == "eagle3":
-        kwargs["target_last_hidden"] = last
-    else:
+    kwargs = dict(attention_mask=torch.ones_like(ids), target_last_hidden=last)
+    if name != "eagle3":  # block drafters: anchors drawn as the trainer draws them
         gen = torch.Generator(device=args.device).manual_seed(0)
         positions, valid = sample_anchors(loss_mask, args.num_anchors, gen, fixed_count=True)
-        kwargs.update(anchor_positions=positions, anchor_mask=valid, target_last_hidden=last)
+        kwargs.update(anchor_positions=positions, anchor_mask=valid)
     torch._dynamo.reset()
     with compiled_draft_layers(draft) if compiled else contextlib.nullcontext():
         outputs = draft(ids, feats, loss_mask, **kwargs)
@@ -100,7 +87,7 @@ def measure(args, target, name: str, compiled: bool) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    target = tiny_target(args.device)
+    target = tiny_target()[0].to(args.device)  # the benchmarks' tiny random Llama (the counts ignore widths)
     rows = [measure(args, target, name, compiled) for name in args.drafters for compiled in (False, True)]
     print(f"{'drafter':8} {'compiled layers':>15} {'backward nodes':>15} {'compiled regions':>17}")
     for r in rows:
