@@ -119,6 +119,39 @@ def test_fused_head_loss_matches_full_vocab_autograd(softcap):
         torch.testing.assert_close(got, want)
 
 
+def test_each_chunk_runs_two_vocabulary_products_forward_and_two_backward():
+    """Per row chunk: the draft's logits (Markov bias included, [h, z] @ [W, W2]^T) and the target's, then
+    g @ [W, W2] for both input gradients and g^T z for W2's. A separate GEMM adding the Markov bias into the fp32
+    [rows, V] logits re-read and re-wrote that buffer, a memory-bound pass that cost more than the product."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in products:
+                self.shapes.append((tuple(args[-2].shape), tuple(args[-1].shape)))
+            return out
+
+    torch.manual_seed(0)
+    S, d, r, V, rows = 12, 8, 4, 50, 4
+    h = torch.randn(S, d, requires_grad=True)
+    z = torch.randn(S, r, requires_grad=True)
+    W2 = torch.randn(V, r, requires_grad=True)
+    t, W, labels = torch.randn(S, d), torch.randn(V, d), torch.randint(0, V, (S,))
+    a, b = torch.rand(S), torch.rand(S)
+    with Products() as counted:
+        fused_head_loss(h, W, labels, a, target_hidden=t, markov_features=z, markov_weight=W2, l1_weight=b,
+                        chunk_elements=rows * V)  # fmt: skip
+    per_chunk = [((rows, d + r), (d + r, V)), ((rows, d), (d, V)), ((rows, V), (V, d + r)), ((V, rows), (rows, r))]
+    assert counted.shapes == per_chunk * (S // rows)
+
+
 def test_chunk_size_does_not_change_the_result():
     torch.manual_seed(1)
     S, d, V = 40, 16, 96

@@ -177,6 +177,12 @@ class _FusedHeadLoss(torch.autograd.Function):
         W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
         cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731 - once, not per chunk
         hidden_c, markov_c, target_c = cast(hidden), cast(markov), cast(target_hidden)
+        # The draft's logits in one product, [h, z] @ [W, W2]^T: the Markov bias accumulates inside the GEMM. Added
+        # by a second GEMM it read and wrote the whole fp32 [rows, V] buffer again, a memory-bound pass slower than
+        # the product itself (the concatenated weight is one copy of [V, d + r] a call).
+        draft_in, draft_w = hidden_c, W
+        if markov is not None:
+            draft_in, draft_w = torch.cat([hidden_c, markov_c], 1), torch.cat([W, W2], 1)  # [S, d + r], [V, d + r]
         grad_h = torch.empty_like(hidden) if need[0] else None
         grad_z = torch.empty_like(markov) if need[1] else None
         grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
@@ -189,16 +195,14 @@ class _FusedHeadLoss(torch.autograd.Function):
             # The compiled math sees one shape only: the last, shorter chunk is padded with zero-weight rows
             # (one compilation instead of one per distinct chunk length; the padding is < one chunk per step).
             pad = rows - n if math_fn is not _chunk_math else 0
-            h = _pad_rows(hidden_c[sl], pad)  # [n + pad, d]
+            h = _pad_rows(draft_in[sl], pad)  # [n + pad, d (+ r)]
             z = _pad_rows(markov_c[sl], pad) if markov is not None else None  # [n + pad, r]
             a, b, c = (None if w is None else _pad_rows(w[sl], pad) for w in (w_ce, w_l1, w_soft))
             chunk_labels = _pad_rows(labels[sl], pad)
             th = _pad_rows(target_c[sl], pad) if target_hidden is not None else None
 
             def logits():  # draft and target logits, [n, V] each, before soft-capping
-                u = _mm_acc(h, W.T, acc)
-                if z is not None:
-                    _addmm_acc_(u, z, W2.T)
+                u = _mm_acc(h, draft_w.T, acc)
                 ut = _mm_acc(th, W.T, acc) if th is not None else None
                 return u, ut
 
@@ -217,9 +221,12 @@ class _FusedHeadLoss(torch.autograd.Function):
             for key, value in zip(stats, (ce, l1, soft_ce, match)):
                 stats[key].append(value)
             if g is not None:  # [n, V], already in the compute dtype
-                if grad_h is not None:
+                if grad_h is not None and grad_z is not None:  # one read of g for both: g @ [W, W2]
+                    grad_hz = g @ draft_w
+                    grad_h[sl], grad_z[sl] = grad_hz[:, : W.shape[1]], grad_hz[:, W.shape[1] :]
+                elif grad_h is not None:
                     grad_h[sl] = g @ W
-                if grad_z is not None:
+                elif grad_z is not None:
                     grad_z[sl] = g @ W2
                 if grad_w2 is not None:
                     _addmm_acc_(grad_w2, g.T, z)
