@@ -125,7 +125,7 @@ def test_each_chunk_runs_two_vocabulary_products_forward_and_two_backward():
     [rows, V] logits re-read and re-wrote that buffer, a memory-bound pass that cost more than the product."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
+    products = {torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
 
     class Products(TorchDispatchMode):
         def __init__(self):

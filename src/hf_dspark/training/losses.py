@@ -183,8 +183,9 @@ class _FusedHeadLoss(torch.autograd.Function):
         draft_in, draft_w = hidden_c, W
         if markov is not None:
             draft_in, draft_w = torch.cat([hidden_c, markov_c], 1), torch.cat([W, W2], 1)  # [S, d + r], [V, d + r]
-        grad_h = torch.empty_like(hidden) if need[0] else None
-        grad_z = torch.empty_like(markov) if need[1] else None
+        # Both input gradients in one buffer, [S, d (+ r)] in the compute dtype: each chunk's `g @ [W, W2]` is written
+        # into its rows (cast to the inputs' dtypes once, after the loop, where they differ).
+        grad_in = draft_in.new_empty(draft_in.shape) if need[0] or need[1] else None
         grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
         grad_dtype = dtype if want_grad else None
         stats = {"ce": [], "l1": [], "soft_ce": [], "match": []}
@@ -221,13 +222,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             for key, value in zip(stats, (ce, l1, soft_ce, match)):
                 stats[key].append(value)
             if g is not None:  # [n, V], already in the compute dtype
-                if grad_h is not None and grad_z is not None:  # one read of g for both: g @ [W, W2]
-                    grad_hz = g @ draft_w
-                    grad_h[sl], grad_z[sl] = grad_hz[:, : W.shape[1]], grad_hz[:, W.shape[1] :]
-                elif grad_h is not None:
-                    grad_h[sl] = g @ W
-                elif grad_z is not None:
-                    grad_z[sl] = g @ W2
+                if grad_in is not None:  # one read of g for both gradients: g @ [W, W2]
+                    torch.mm(g, draft_w, out=grad_in[sl])
                 if grad_w2 is not None:
                     _addmm_acc_(grad_w2, g.T, z)
             del g
@@ -237,6 +233,9 @@ class _FusedHeadLoss(torch.autograd.Function):
         for w, term in zip((w_ce, w_l1, w_soft), per_row):
             if w is not None and term is not None:
                 loss += (w * term).sum()
+        width = hidden.shape[1]
+        grad_h = grad_in[:, :width].to(hidden.dtype) if need[0] else None
+        grad_z = grad_in[:, width:].to(markov.dtype) if need[1] else None
         return _FusedHeadLoss._finish(ctx, (grad_h, grad_z, grad_w2), markov_weight, loss, per_row, hidden.device)
 
     @staticmethod
