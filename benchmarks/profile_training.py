@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--target_cuda_graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the online target's forward from CUDA graphs (the trainer's target_cuda_graphs; "
                    "default: the trainer's, on CUDA)")
+    p.add_argument("--loss_cuda_graphs", action="store_true",
+                   help="replay the loss's forward from CUDA graphs (the trainer's loss_cuda_graphs)")
     p.add_argument("--torch_compile", action="store_true",
                    help="the Trainer's torch_compile=True (the draft compiled; the trainer step's time shows it)")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "dense"],
@@ -121,7 +123,7 @@ def build(args, cuda: bool, output_dir: str):
         conversations = conversations.select(range(min(len(conversations), 64 * args.batch_size)))
         rows = tokenize_conversations(conversations, tokenizer, max_length=args.max_length)
     extra = {"compile_target": args.compile_target, "torch_compile": args.torch_compile,
-             "target_cuda_graphs": args.target_cuda_graphs}
+             "target_cuda_graphs": args.target_cuda_graphs, "loss_cuda_graphs": args.loss_cuda_graphs}
     if args.loss_backend is not None:
         extra["loss_backend"] = args.loss_backend
     training_args = bench_training_args(

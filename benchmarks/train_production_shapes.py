@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import device_idle, hardware  # noqa: E402
 
 from hf_dspark import DSparkConfig, DSparkModel
+from hf_dspark.compilation import KeyedGraphs
 from hf_dspark.models import backbone
 from hf_dspark.training.arguments import draft_layer_compile_blocker
 from hf_dspark.training import loss_buffers
@@ -73,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--loss_rows", choices=["host", "device"], default="host",
                    help="the loss's row count: from the host (as the trainer's collator gives it; no wait a step) "
                    "or counted on the device (one wait a step)")  # fmt: skip
+    p.add_argument("--loss_cuda_graphs", action="store_true",
+                   help="replay the loss's forward from CUDA graphs (the trainer's loss_cuda_graphs)")
     p.add_argument("--compile_draft_layers", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the draft's layer methods (the trainer's compile_draft_layers; default as "
                    "there: on CUDA without gradient checkpointing)")  # fmt: skip
@@ -308,6 +311,7 @@ def main(argv=None):
     if args.compile_draft_layers:  # as the trainer does it
         layers = compiled_draft_layers(draft, mode=args.compile_mode)
 
+    loss_graphs = KeyedGraphs("the loss's forward", "--loss_cuda_graphs off") if args.loss_cuda_graphs else None
     # the fixed batch's row bound, counted once on the host (the trainer's collator does it for every batch)
     max_rows = draft.loss_rows_bound_fn()(loss_mask.cpu()) if args.loss_rows == "host" else None
 
@@ -320,7 +324,7 @@ def main(argv=None):
                             anchor_mask=valid)  # fmt: skip
         with record_function(PROFILE_RANGE + "loss"):
             result = block_draft_loss(draft, out, chunk_elements=args.chunk_elements, compile=args.compile_loss,
-                                      backend=args.loss_backend, max_rows=max_rows)  # fmt: skip
+                                      backend=args.loss_backend, max_rows=max_rows, graphs=loss_graphs)  # fmt: skip
         with record_function(PROFILE_RANGE + "backward"):
             result.loss.backward()
         with record_function(PROFILE_RANGE + "optimizer"):
@@ -389,6 +393,8 @@ def main(argv=None):
         "loss_backend": args.loss_backend,
         "gradient_checkpointing": args.gradient_checkpointing,
         "compile_draft_layers": args.compile_draft_layers,
+        "loss_cuda_graphs": args.loss_cuda_graphs,
+        "loss_graphs_failed": None if loss_graphs is None else loss_graphs.failed,
         "compile_mode": args.compile_mode,
         "flex_kernel_options": args.flex_kernel_options,
         "loss_rows_counted_on": args.loss_rows,

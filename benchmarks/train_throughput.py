@@ -93,6 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--target_cuda_graphs", nargs="+", choices=["off", "on"], default=None,
                    help="the online target's forward plain (off) or replayed from CUDA graphs (on: the trainer's "
                    "target_cuda_graphs), or both in turn; default as the trainer: on with CUDA")  # fmt: skip
+    p.add_argument("--loss_cuda_graphs", nargs="+", choices=["off", "on"], default=["off"],
+                   help="the loss's forward issued chunk by chunk (off, the trainer's default) or replayed from CUDA "
+                   "graphs (on: the trainer's loss_cuda_graphs), or both in turn")  # fmt: skip
     p.add_argument("--dataloader_num_workers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -201,20 +204,24 @@ def main(argv=None):
         "cache_probe": cache_probe,
         "runs": results,
     }
-    variants = [(a, c, r, b, w, e, g) for a in args.algorithms for c in args.compile_draft_layers
+    variants = [(a, c, r, b, w, e, g, lg) for a in args.algorithms for c in args.compile_draft_layers
                 for r in args.loss_rows for b in args.batch_copy for w in args.intermediate_size
-                for e in args.loss_chunk_elements for g in args.target_cuda_graphs]  # fmt: skip
-    for index, (algorithm, compiled_layers, loss_rows, batch_copy, width, chunk, graphs) in enumerate(variants):
+                for e in args.loss_chunk_elements for g in args.target_cuda_graphs
+                for lg in args.loss_cuda_graphs]  # fmt: skip
+    for index, (algorithm, compiled_layers, loss_rows, batch_copy, width, chunk, graphs, loss_graphs) in enumerate(
+        variants
+    ):
         name = algorithm + ("-compiled-layers" if compiled_layers == "on" else "") + f"-{loss_rows}-rows"
         name += "-copy-wait" if batch_copy == "wait" else ""
         name += "-target-graphs" if graphs == "on" else ""
+        name += "-loss-graphs" if loss_graphs == "on" else ""
         name += f"-mlp{width}" if width else ""
         name += f"-chunk{chunk}" if chunk else ""
         output_dir = str(Path(args.output_dir) / name) if len(variants) > 1 else args.output_dir
         result = train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
                            compile_draft_layers=compiled_layers == "on", loss_rows=loss_rows,
                            batch_copy=batch_copy, intermediate_size=width, loss_chunk_elements=chunk,
-                           target_cuda_graphs=graphs == "on")  # fmt: skip
+                           target_cuda_graphs=graphs == "on", loss_cuda_graphs=loss_graphs == "on")  # fmt: skip
         result["setup_s"] = setup_s
         results.append(result)
         if index == 0 and args.same_steps:
@@ -255,12 +262,13 @@ def probe_cache_sizes(args, target, tokenizer, eval_rows) -> dict:
 
 def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_rows, output_dir, cuda,
               compile_draft_layers=False, loss_rows="host", batch_copy="async", intermediate_size=None,
-              loss_chunk_elements=None, target_cuda_graphs=False) -> dict:
+              loss_chunk_elements=None, target_cuda_graphs=False, loss_cuda_graphs=False) -> dict:
     """Train one drafter (online or from a cache) and measure it."""
     training_args = bench_training_args(
         args, algorithm, output_dir, cuda,
         compile_draft_layers=compile_draft_layers,
         target_cuda_graphs=target_cuda_graphs,
+        loss_cuda_graphs=loss_cuda_graphs,
         accelerator_config={"non_blocking": batch_copy == "async"},
         intermediate_size=intermediate_size,
         loss_chunk_elements=loss_chunk_elements,
@@ -363,6 +371,10 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         "target_cuda_graphs": target_cuda_graphs,
         # the trainer's record: None where no graphs were asked for, else why they were given up (None: they ran)
         "target_graphs_failed": (trainer._target_graphs.failed if trainer._target_graphs is not None else None),
+        "loss_cuda_graphs": loss_cuda_graphs,
+        # the same for the loss's graphs, and how many were captured
+        "loss_graphs_failed": (trainer._loss_graphs.failed if trainer._loss_graphs is not None else None),
+        "loss_graphs_captured": len(trainer._loss_graphs.graphs) if trainer._loss_graphs is not None else 0,
         "loss_chunk_elements": training_args.loss_chunk_elements or DEFAULT_CHUNK_ELEMENTS,  # as the trainer ran
         "draft_dir": output_dir,
         **cache_info,
@@ -380,6 +392,7 @@ def print_table(results: list[dict]) -> None:
         compiled += ", rows counted on the device" if r.get("loss_rows_counted_on") == "device" else ""
         compiled += ", waiting for each batch's copy" if r.get("batch_copy") == "wait" else ""
         compiled += ", target from CUDA graphs" if r.get("target_cuda_graphs") else ""
+        compiled += ", loss from CUDA graphs" if r.get("loss_cuda_graphs") else ""
         if r.get("loss_chunk_elements", DEFAULT_CHUNK_ELEMENTS) != DEFAULT_CHUNK_ELEMENTS:
             compiled += f", loss chunks of {r['loss_chunk_elements']:,} elements"
         shape = f"{r['draft']['layers']} layers, MLP {r['draft']['intermediate_size']}"

@@ -152,6 +152,95 @@ def test_each_chunk_runs_two_vocabulary_products_forward_and_two_backward():
     assert counted.shapes == per_chunk * (S // rows)
 
 
+def _graph_loss_call(graphs, seed, rows_kept, weights, device="cpu", compile=False, max_rows=None):
+    """One DSpark-like fused loss with a row mask and a host-known row bound: (loss, stats, input gradients).
+    weights: (lm_weight [50, 8], markov_weight [50, 4]), the same tensors at every call, as a model's are."""
+    W, markov_weight = weights
+    gen = torch.Generator().manual_seed(seed)
+    S, d, r, V = 40, 8, 4, 50
+    h = torch.randn(S, d, generator=gen).to(device).requires_grad_()
+    z = torch.randn(S, r, generator=gen).to(device).requires_grad_()
+    t = torch.randn(S, d, generator=gen).to(device)
+    labels = torch.randint(0, V, (S,), generator=gen).to(device)
+    a, b, c = (torch.rand(S, generator=gen).to(device) for _ in range(3))
+    row_mask = torch.zeros(S, dtype=torch.bool, device=device)
+    row_mask[torch.randperm(S, generator=gen)[:rows_kept].to(device)] = True
+    loss, stats = fused_head_loss(
+        h, W, labels, a, target_hidden=t, markov_features=z, markov_weight=markov_weight, l1_weight=b,
+        soft_ce_weight=c, chunk_elements=8 * V, compile=compile, row_mask=row_mask,
+        max_rows=rows_kept if max_rows is None else max_rows, graphs=graphs,
+    )  # fmt: skip
+    grads = torch.autograd.grad(loss, [h, z, markov_weight])
+    return loss, stats, grads
+
+
+def test_the_loss_forward_replayed_from_a_graph_equals_the_plain_one():
+    """`loss_cuda_graphs`' bookkeeping, with a CPU stand-in for the graph (it re-runs the captured function on the
+    static inputs): a row count's first call runs plain, its second captures, later calls replay with their own
+    inputs and the weights' current values; row bounds within one chunk share a graph; each equals the plain loss."""
+    from conftest import replaying_on_cpu
+
+    from hf_dspark.compilation import KeyedGraphs
+
+    graphs = replaying_on_cpu(KeyedGraphs)("the loss's forward", "loss_cuda_graphs=False")
+    W2 = torch.randn(50, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    weights = (torch.randn(50, 8, generator=torch.Generator().manual_seed(9)), W2)
+    for call, (seed, kept) in enumerate([(0, 20), (1, 17), (2, 23), (3, 33)]):
+        with torch.no_grad():
+            W2.mul_(0.9)  # the optimizer changes the weights in place between steps: the replay reads them
+        got = _graph_loss_call(graphs, seed, kept, weights)
+        want = _graph_loss_call(None, seed, kept, weights)
+        torch.testing.assert_close(got[0], want[0])
+        for field in ("ce", "l1", "soft_ce", "greedy_match"):
+            torch.testing.assert_close(getattr(got[1], field), getattr(want[1], field))
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w)
+        # 20, 17 and 23 rows round up to 24 (chunks of 8): one graph, captured at the second call; 33 -> 40 is new
+        assert (graphs.captures, len(graphs.graphs), len(graphs.seen)) == [(0, 0, 1), (1, 1, 1), (1, 1, 1),
+                                                                           (1, 1, 2)][call]  # fmt: skip
+
+
+def test_a_failed_capture_falls_back_to_the_plain_loss_for_good(caplog):
+    from hf_dspark.compilation import KeyedGraphs
+
+    class Failing(KeyedGraphs):
+        def serves(self, tensor):
+            return self.failed is None
+
+        def _capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphs = Failing("the loss's forward", "loss_cuda_graphs=False")
+    weights = (torch.randn(50, 8), torch.randn(50, 4).requires_grad_())
+    with caplog.at_level("WARNING"):
+        results = [_graph_loss_call(graphs, 0, 20, weights) for _ in range(3)]
+    want = _graph_loss_call(None, 0, 20, weights)
+    for got in results:
+        torch.testing.assert_close(got[0], want[0])
+    assert graphs.failed.startswith("RuntimeError") and "loss_cuda_graphs=False" in caplog.text
+    assert caplog.text.count("without CUDA graphs") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graph_of_the_loss_forward_equals_the_plain_loss(compile):
+    from hf_dspark.compilation import KeyedGraphs
+
+    graphs = KeyedGraphs("the loss's forward", "loss_cuda_graphs=False")
+    W2 = torch.randn(50, 4, device="cuda").requires_grad_()
+    weights = (torch.randn(50, 8, device="cuda"), W2)
+    for seed in range(4):
+        with torch.no_grad():
+            W2.mul_(0.9)
+        got = _graph_loss_call(graphs, seed, 20, weights, device="cuda", compile=compile)
+        want = _graph_loss_call(None, seed, 20, weights, device="cuda", compile=compile, max_rows=24)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1].l1, want[1].l1)
+        for g, w in zip(got[2], want[2]):
+            torch.testing.assert_close(g, w)
+    assert graphs.failed is None and len(graphs.graphs) == 1
+
+
 def test_chunk_size_does_not_change_the_result():
     torch.manual_seed(1)
     S, d, V = 40, 16, 96

@@ -8,8 +8,9 @@ import logging
 
 import pytest
 import torch
-from conftest import FAMILIES, make_tiny_target
+from conftest import FAMILIES, make_tiny_target, replaying_on_cpu
 
+from hf_dspark.compilation import KeyedGraphs
 from hf_dspark.target import explicit_mask_unsupported, has_sliding_layers, target_features
 from hf_dspark.training.target_graphs import CapturedTargetFeatures, padded_causal_mask, target_mask
 
@@ -75,28 +76,19 @@ def test_the_default_setting_passes_over_unsupported_targets_quietly(caplog):
 def test_off_cuda_it_serves_nothing_and_the_caller_runs_the_plain_forward():
     captured = CapturedTargetFeatures(make_tiny_target("llama"))
     ids, mask = _batch()
-    assert captured(ids, LAYERS, mask) is None and not captured.graphs and captured.failed is None
+    assert captured(ids, LAYERS, mask) is None and not captured.graphs.graphs and captured.failed is None
 
 
 class _CapturedOnCPU(CapturedTargetFeatures):
     """The runner's bookkeeping on CPU: a 'capture' that records the call and 'replays' the plain forward."""
 
-    captures = 0
+    def __init__(self, target, max_shapes: int = 8):
+        super().__init__(target, max_shapes=max_shapes)
+        self.graphs.__class__ = replaying_on_cpu(KeyedGraphs)
 
-    @staticmethod
-    def _serves(input_ids):
-        return True
-
-    def _capture(self, input_ids, layer_ids, attention_mask):
-        self.captures += 1
-        target, ids, mask = self.target, input_ids.clone(), attention_mask.clone()
-        outputs = list(target_features(target, ids, layer_ids, mask))
-
-        class Graph:
-            def replay(self):
-                outputs[:] = target_features(target, ids, layer_ids, mask)
-
-        return Graph(), ids, mask, outputs
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures
 
 
 def test_a_shape_is_captured_when_it_comes_a_second_time():
@@ -111,9 +103,10 @@ def test_a_shape_is_captured_when_it_comes_a_second_time():
         new_ids = (ids + seed) % 90 + 3
         out = runner(new_ids, LAYERS, mask)
         ctx, last = target_features(target, new_ids, LAYERS, mask)
-        torch.testing.assert_close(out[0], ctx)
-        torch.testing.assert_close(out[1], last)
-    assert runner.captures == 1 and len(runner.graphs) == 1
+        real = mask.bool()  # padding positions see themselves under the explicit mask (`padded_causal_mask`)
+        torch.testing.assert_close(out[0][real], ctx[real])
+        torch.testing.assert_close(out[1][real], last[real])
+    assert runner.captures == 1 and len(runner.graphs.graphs) == 1
     assert runner(*short[:1], LAYERS, short[1]) is not None and runner.captures == 2
     third = (ids[:2], mask[:2])
     assert runner(*third[:1], LAYERS, third[1]) is None and runner(*third[:1], LAYERS, third[1]) is None  # cap
@@ -140,7 +133,7 @@ def test_replayed_features_equal_the_plain_forward_for_each_batch(family):
         ids, mask = _batch("cuda")
         ids = (ids + seed) % 90 + 3
         _assert_replay_is_the_plain_forward(captured, target, ids, mask)
-    assert len(captured.graphs) == 1
+    assert len(captured.graphs.graphs) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -153,4 +146,4 @@ def test_graphs_of_several_batch_shapes_replayed_in_turn_keep_their_own_features
     for turn in range(2):
         for batch_ids, batch_mask in shapes:
             _assert_replay_is_the_plain_forward(captured, target, batch_ids, batch_mask)
-    assert len(captured.graphs) == 3
+    assert len(captured.graphs.graphs) == 3

@@ -1001,6 +1001,32 @@ def test_compiled_draft_layers_failure_falls_back_and_sharding_or_checkpointing_
 
 
 @pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
+def test_loss_cuda_graphs_feed_the_loss_and_train_as_without_them(tmp_path, caplog, algorithm):
+    """`loss_cuda_graphs`: off CUDA it is ignored with a warning. Where it serves (a CPU stand-in for the graphs,
+    which re-runs the captured function on its static inputs), the trainer's loss goes through it and training
+    logs the same losses as without it."""
+    from conftest import replaying_on_cpu
+
+    from hf_dspark.compilation import KeyedGraphs
+
+    target = make_tiny_target("llama")
+    args = dict(algorithm=algorithm, max_steps=4, per_device_train_batch_size=1, compile_target=False)
+    if algorithm == "eagle3":
+        args.update(num_anchors=None, block_size=None)
+    with caplog.at_level("WARNING"):
+        plain = DraftTrainer(args=make_args(tmp_path, loss_cuda_graphs=True, **args), train_dataset=tokenized_rows(),
+                             target_model=target)  # fmt: skip
+    assert plain._loss_graphs is None and "loss_cuda_graphs is ignored off CUDA" in caplog.text
+    plain.train()
+    replayed = DraftTrainer(args=make_args(tmp_path, **args), train_dataset=tokenized_rows(), target_model=target)
+    replayed._loss_graphs = replaying_on_cpu(KeyedGraphs)("the loss's forward", "loss_cuda_graphs=False")
+    replayed.train()
+    assert replayed._loss_graphs.captures >= 1 and replayed._loss_graphs.failed is None
+    for (step, want), (_, got) in zip(losses(plain), losses(replayed), strict=True):
+        assert got == pytest.approx(want, rel=1e-5), step
+
+
+@pytest.mark.parametrize("algorithm", ["dspark", "eagle3"])
 def test_evaluation_walks_the_held_out_text_as_decoding_would(tmp_path, algorithm):
     """Held-out τ is also reported as decoding would see it (`metrics.decoding_walk_estimates`). Held-out batches
     take a block at every answer position, in passes of the training step's anchor count when a row has more

@@ -1,14 +1,17 @@
 """One-time work this process did: torch.compile (seconds from its own timers, and a per-function report of the
-compilations since a mark) and CUDA graph captures (`capture`, the one function that captures them). Training logs
-the compile time (`compile_s`, compile_report.json); evaluation and the speed benchmark time calls of warm code
-through `run_warm`."""
+compilations since a mark) and CUDA graph captures (`capture`, the one function that captures them; `KeyedGraphs`
+keeps one graph per shape of a call and replays it). Training logs the compile time (`compile_s`,
+compile_report.json); evaluation and the speed benchmark time calls of warm code through `run_warm`."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 
 # torch.compile's own timers: each compilation of a frame (forward graphs) and each lazy backward compilation.
@@ -126,6 +129,89 @@ def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
     return graph, outputs
 
 
+class KeyedGraphs:
+    """Calls of a function replayed from CUDA graphs, one graph per key (the caller's settings plus the shapes,
+    dtypes and devices of the call's tensors); training's online target forward and its loss forward use it.
+
+    `runner(key, fn, inputs)` returns `fn(*inputs)`'s outputs (a tuple / list nest of tensors and None), or None
+    where it cannot serve the call and the caller runs `fn` itself: a key's first call (one-off shapes, such as an
+    epoch's last smaller batch, cost no warm-up and capture and keep no graph memory), more than `max_graphs` keys,
+    or after a capture failed (logged once, with `off_hint`, the setting that skips the attempt). A key's second
+    call captures (`capture`'s warm-ups, inside `context` when given: compiled layers swapped in), later calls
+    copy their inputs into the graph's static ones and replay. `fn` may read other tensors (weights) only where they
+    keep their storage between calls: a graph reads the addresses it was captured with.
+    All graphs share one memory pool: a graph may reuse memory another graph's intermediates and outputs took,
+    which is safe because every replay's outputs are copied before anything else runs on the stream (one call's
+    worth of intermediates for all keys, not one per key)."""
+
+    def __init__(self, what: str, off_hint: str, max_graphs: int = 8, context=None):
+        self.what, self.off_hint, self.max_graphs, self.context = what, off_hint, max_graphs, context
+        self.graphs: dict[tuple, tuple] = {}
+        self.seen: set[tuple] = set()  # keys called once, not captured (yet)
+        self.failed: str | None = None
+        self._pool = None  # the graphs' shared memory pool, made at the first capture
+
+    def serves(self, tensor) -> bool:
+        """Whether calls on `tensor`'s device can be replayed (CUDA, and no capture has failed)."""
+        return tensor.device.type == "cuda" and self.failed is None
+
+    def __call__(self, key: tuple, fn: Callable, inputs: tuple):
+        if self.failed is not None:
+            return None
+        key = (key, tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in inputs))
+        entry = self.graphs.get(key)
+        if entry is None:
+            if key not in self.seen:
+                if len(self.seen) >= 16 * self.max_graphs:  # keys that never come back (bounded bookkeeping)
+                    self.seen.clear()
+                self.seen.add(key)
+                return None
+            if len(self.graphs) >= self.max_graphs:
+                return None
+            entry = self._captured(fn, inputs)
+            if entry is None:
+                return None
+            self.graphs[key] = entry
+        graph, statics, outputs = entry
+        for static, tensor in zip(statics, inputs):
+            if static is not None:
+                static.copy_(tensor, non_blocking=True)
+        graph.replay()
+        return _cloned(outputs)
+
+    def _captured(self, fn, inputs):
+        """(graph, static inputs, outputs), or None after a failure (then every later call is served None)."""
+        import contextlib
+
+        statics = tuple(None if t is None else t.clone() for t in inputs)
+        try:
+            with self.context if self.context is not None else contextlib.nullcontext():
+                graph, outputs = self._capture(lambda: fn(*statics))
+        except Exception as err:  # noqa: BLE001 - the caller's uncaptured call computes the same outputs
+            self.failed = f"{type(err).__name__}: {err}"
+            logger.warning("%s runs without CUDA graphs (capture failed: %s); %s skips the attempt", self.what,
+                           self.failed, self.off_hint)  # fmt: skip
+            self.graphs.clear()
+            self._pool = None
+            return None
+        return graph, statics, outputs
+
+    def _capture(self, fn):
+        """(graph, outputs) of `fn` captured in the shared pool."""
+        import torch
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return capture(fn, pool=self._pool)
+
+
+def _cloned(outputs):
+    """Copies of the tensors in a tuple / list nest (a replay overwrites the graph's own), None kept."""
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(_cloned(o) for o in outputs)
+    return None if outputs is None else outputs.clone()
+
+
 def one_time_work_mark() -> tuple[dict, int]:
     """A mark for `one_time_work_since`: (`compile_mark()`, graph captures so far)."""
     return compile_mark(), graph_captures()
@@ -198,6 +284,7 @@ def run_warm(call: Callable[[], Any], retime: bool = True, rehearse: bool = Fals
 
 __all__ = [
     "TIMING_CHECKS",
+    "KeyedGraphs",
     "WarmRun",
     "compile_mark",
     "compile_report",

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from .loss_buffers import DEFAULT_CHUNK_ELEMENTS, _addmm_acc_, _mm_acc, chunk_rows
 
+from ..compilation import KeyedGraphs
 from ..kernel_backends import KERNEL_BACKENDS, choose_kernel_backend
 from ..metrics import training_acceptance_estimates
 
@@ -156,11 +157,8 @@ def _pad_rows(t: torch.Tensor, pad: int) -> torch.Tensor:
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft, opts):
-        global _COMPILED_CHUNK_MATH
-        cap, rows, dtype = opts["softcap"], opts["rows"], opts["dtype"]
-        need = ctx.needs_input_grad
-        want_grad = any(need[:5])
         global _TRITON_FAILED
+        need = ctx.needs_input_grad
         if opts["backend"] == "triton":
             try:
                 loss, grads, per_row = _triton_forward(
@@ -172,71 +170,23 @@ class _FusedHeadLoss(torch.autograd.Function):
                     raise
                 logger.warning("Triton loss failed (%s: %s); using the PyTorch path", type(err).__name__, err)
                 _TRITON_FAILED = True
-        acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 in exactness tests)
-        W = lm_weight.to(dtype)  # [V, d]
-        W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
-        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731 - once, not per chunk
-        hidden_c, markov_c, target_c = cast(hidden), cast(markov), cast(target_hidden)
-        # The draft's logits in one product, [h, z] @ [W, W2]^T: the Markov bias accumulates inside the GEMM. Added
-        # by a second GEMM it read and wrote the whole fp32 [rows, V] buffer again, a memory-bound pass slower than
-        # the product itself (the concatenated weight is one copy of [V, d + r] a call).
-        draft_in, draft_w = hidden_c, W
-        if markov is not None:
-            draft_in, draft_w = torch.cat([hidden_c, markov_c], 1), torch.cat([W, W2], 1)  # [S, d + r], [V, d + r]
-        # Both input gradients in one buffer, [S, d (+ r)] in the compute dtype: each chunk's `g @ [W, W2]` is written
-        # into its rows (cast to the inputs' dtypes once, after the loop, where they differ).
-        grad_in = draft_in.new_empty(draft_in.shape) if need[0] or need[1] else None
-        grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
-        grad_dtype = dtype if want_grad else None
-        stats = {"ce": [], "l1": [], "soft_ce": [], "match": []}
-        math_fn = _get_chunk_math(opts["compile"])
-        for start in range(0, hidden.shape[0], rows):
-            sl = slice(start, start + rows)
-            n = min(rows, hidden.shape[0] - start)
-            # The compiled math sees one shape only: the last, shorter chunk is padded with zero-weight rows
-            # (one compilation instead of one per distinct chunk length; the padding is < one chunk per step).
-            pad = rows - n if math_fn is not _chunk_math else 0
-            h = _pad_rows(draft_in[sl], pad)  # [n + pad, d (+ r)]
-            z = _pad_rows(markov_c[sl], pad) if markov is not None else None  # [n + pad, r]
-            a, b, c = (None if w is None else _pad_rows(w[sl], pad) for w in (w_ce, w_l1, w_soft))
-            chunk_labels = _pad_rows(labels[sl], pad)
-            th = _pad_rows(target_c[sl], pad) if target_hidden is not None else None
+        need = tuple(need[:5])
 
-            def logits():  # draft and target logits, [n, V] each, before soft-capping
-                u = _mm_acc(h, draft_w.T, acc)
-                ut = _mm_acc(th, W.T, acc) if th is not None else None
-                return u, ut
+        def chunks(hidden, markov, target_hidden, labels, w_ce, w_l1, w_soft):
+            return _chunked_head_loss(hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1,
+                                      w_soft, opts, need)  # fmt: skip
 
-            try:
-                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
-            except Exception as err:  # noqa: BLE001 - whatever the compiler raises, eager is correct
-                if math_fn is _chunk_math:
-                    raise
-                logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
-                _COMPILED_CHUNK_MATH = math_fn = _chunk_math
-                ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
-            if pad:
-                ce, l1, soft_ce, match = (None if t is None else t[:n] for t in (ce, l1, soft_ce, match))
-                g = None if g is None else g[:n]
-                z = None if z is None else z[:n]
-            for key, value in zip(stats, (ce, l1, soft_ce, match)):
-                stats[key].append(value)
-            if g is not None:  # [n, V], already in the compute dtype
-                if grad_in is not None:  # one read of g for both gradients: g @ [W, W2]
-                    torch.mm(g, draft_w, out=grad_in[sl])
-                if grad_w2 is not None:
-                    _addmm_acc_(grad_w2, g.T, z)
-            del g
-        per_row = [torch.cat(v) if v and v[0] is not None else None for v in stats.values()]
-        # The weighted sums once over all rows: a few small kernels a call instead of a few a chunk.
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
-        for w, term in zip((w_ce, w_l1, w_soft), per_row):
-            if w is not None and term is not None:
-                loss += (w * term).sum()
-        width = hidden.shape[1]
-        grad_h = grad_in[:, :width].to(hidden.dtype) if need[0] else None
-        grad_z = grad_in[:, width:].to(markov.dtype) if need[1] else None
-        return _FusedHeadLoss._finish(ctx, (grad_h, grad_z, grad_w2), markov_weight, loss, per_row, hidden.device)
+        inputs = (hidden, markov, target_hidden, labels, w_ce, w_l1, w_soft)
+        graphs, out = opts.get("graphs"), None
+        if graphs is not None and graphs.serves(hidden):
+            # What the captured kernels read besides the inputs: the weights at these addresses (their values may
+            # change in place, as the optimizer changes them) and the settings.
+            weights = tuple(None if w is None else (w.data_ptr(), tuple(w.shape), w.dtype)
+                            for w in (lm_weight, markov_weight))  # fmt: skip
+            settings = (opts["softcap"], opts["rows"], opts["dtype"], need, opts["compile"], weights)
+            out = graphs(settings, chunks, inputs)
+        loss, grads, per_row = out if out is not None else chunks(*inputs)
+        return _FusedHeadLoss._finish(ctx, grads, markov_weight, loss, per_row, hidden.device)
 
     @staticmethod
     def _finish(ctx, grads, markov_weight, loss, per_row, device):
@@ -257,6 +207,82 @@ class _FusedHeadLoss(torch.autograd.Function):
         if grad_w2 is not None:
             grad_w2 = grad_w2.to(ctx.w2_dtype)  # accumulated in fp32
         return grad_h, grad_z, None, None, grad_w2, None, None, None, None, None
+
+
+def _chunked_head_loss(hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft, opts,
+                       need) -> tuple:  # fmt: skip
+    """The PyTorch backend of `_FusedHeadLoss.forward`, row chunk by row chunk: (loss, (grad_hidden, grad_markov,
+    grad_markov_weight), per-row (ce, l1, soft_ce, match)). `need`: which of the first five inputs want a gradient.
+    Once the process has checked its fused GEMMs (`loss_buffers`, at the first call), no host synchronization and
+    the same kernels at every call of the same shapes: a CUDA graph can hold it (`fused_head_loss`'s `graphs`)."""
+    global _COMPILED_CHUNK_MATH
+    cap, rows, dtype = opts["softcap"], opts["rows"], opts["dtype"]
+    want_grad = any(need)
+    acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 in exactness tests)
+    W = lm_weight.to(dtype)  # [V, d]
+    W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
+    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731 - once, not per chunk
+    hidden_c, markov_c, target_c = cast(hidden), cast(markov), cast(target_hidden)
+    # The draft's logits in one product, [h, z] @ [W, W2]^T: the Markov bias accumulates inside the GEMM. Added
+    # by a second GEMM it read and wrote the whole fp32 [rows, V] buffer again, a memory-bound pass slower than
+    # the product itself (the concatenated weight is one copy of [V, d + r] a call).
+    draft_in, draft_w = hidden_c, W
+    if markov is not None:
+        draft_in, draft_w = torch.cat([hidden_c, markov_c], 1), torch.cat([W, W2], 1)  # [S, d + r], [V, d + r]
+    # Both input gradients in one buffer, [S, d (+ r)] in the compute dtype: each chunk's `g @ [W, W2]` is written
+    # into its rows (cast to the inputs' dtypes once, after the loop, where they differ).
+    grad_in = draft_in.new_empty(draft_in.shape) if need[0] or need[1] else None
+    grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
+    grad_dtype = dtype if want_grad else None
+    stats = {"ce": [], "l1": [], "soft_ce": [], "match": []}
+    math_fn = _get_chunk_math(opts["compile"])
+    for start in range(0, hidden.shape[0], rows):
+        sl = slice(start, start + rows)
+        n = min(rows, hidden.shape[0] - start)
+        # The compiled math sees one shape only: the last, shorter chunk is padded with zero-weight rows
+        # (one compilation instead of one per distinct chunk length; the padding is < one chunk per step).
+        pad = rows - n if math_fn is not _chunk_math else 0
+        h = _pad_rows(draft_in[sl], pad)  # [n + pad, d (+ r)]
+        z = _pad_rows(markov_c[sl], pad) if markov is not None else None  # [n + pad, r]
+        a, b, c = (None if w is None else _pad_rows(w[sl], pad) for w in (w_ce, w_l1, w_soft))
+        chunk_labels = _pad_rows(labels[sl], pad)
+        th = _pad_rows(target_c[sl], pad) if target_hidden is not None else None
+
+        def logits():  # draft and target logits, [n, V] each, before soft-capping
+            u = _mm_acc(h, draft_w.T, acc)
+            ut = _mm_acc(th, W.T, acc) if th is not None else None
+            return u, ut
+
+        try:
+            ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
+        except Exception as err:  # noqa: BLE001 - whatever the compiler raises, eager is correct
+            if math_fn is _chunk_math:
+                raise
+            logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
+            _COMPILED_CHUNK_MATH = math_fn = _chunk_math
+            ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
+        if pad:
+            ce, l1, soft_ce, match = (None if t is None else t[:n] for t in (ce, l1, soft_ce, match))
+            g = None if g is None else g[:n]
+            z = None if z is None else z[:n]
+        for key, value in zip(stats, (ce, l1, soft_ce, match)):
+            stats[key].append(value)
+        if g is not None:  # [n, V], already in the compute dtype
+            if grad_in is not None:  # one read of g for both gradients: g @ [W, W2]
+                torch.mm(g, draft_w, out=grad_in[sl])
+            if grad_w2 is not None:
+                _addmm_acc_(grad_w2, g.T, z)
+        del g
+    per_row = [torch.cat(v) if v and v[0] is not None else None for v in stats.values()]
+    # The weighted sums once over all rows: a few small kernels a call instead of a few a chunk.
+    loss = torch.zeros((), dtype=acc, device=hidden.device)
+    for w, term in zip((w_ce, w_l1, w_soft), per_row):
+        if w is not None and term is not None:
+            loss += (w * term).sum()
+    width = hidden.shape[1]
+    grad_h = grad_in[:, :width].to(hidden.dtype) if need[0] else None
+    grad_z = grad_in[:, width:].to(markov.dtype) if need[1] else None
+    return loss, (grad_h, grad_z, grad_w2), per_row
 
 
 def _compute_dtype(tensor: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -293,6 +319,7 @@ def fused_head_loss(
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
     max_rows: int | None = None,
+    graphs: KeyedGraphs | None = None,
 ) -> tuple[torch.Tensor, HeadStats]:
     """sum_i ce_weight_i CE_i + l1_weight_i L1_i + soft_ce_weight_i SCE_i over rows, without [S, V] tensors.
 
@@ -308,6 +335,10 @@ def fused_head_loss(
     the True rows makes the host wait for the device, unless `max_rows` (an int the host knows, at least their
     number: `DraftPreTrainedModel.loss_rows_bound_fn`) sizes the buffer: then the True rows in order, and past
     their number rows with zero weights.
+    graphs (`compilation.KeyedGraphs`, the trainer's `loss_cuda_graphs`): the PyTorch backend's forward on CUDA
+    replayed from a CUDA graph per shape, so the host issues one launch instead of every chunk's kernels; `max_rows`
+    is then rounded up to whole chunks (the compiled math pads the last chunk to one anyway), so batches of nearby
+    row counts share a graph.
     Returns (scalar fp32 loss, HeadStats with per-row ce / l1 / soft_ce / greedy_match).
     """
     if row_mask is not None:
@@ -315,7 +346,7 @@ def fused_head_loss(
             row_mask, hidden, lm_weight, labels, ce_weight, target_hidden=target_hidden,
             markov_features=markov_features, markov_weight=markov_weight, l1_weight=l1_weight,
             soft_ce_weight=soft_ce_weight, softcap=softcap, chunk_elements=chunk_elements, compile=compile,
-            backend=backend, max_rows=max_rows,
+            backend=backend, max_rows=max_rows, graphs=graphs,
         )
     if (l1_weight is not None or soft_ce_weight is not None) and target_hidden is None:
         raise ValueError("the L1 and soft cross-entropy terms need target_hidden (the target's final hidden states)")
@@ -335,6 +366,7 @@ def fused_head_loss(
         "dtype": dtype,
         "backend": resolve_backend(backend, hidden, lm_weight, target_hidden, dtype),
         "auto": backend == "auto",
+        "graphs": graphs,
     }
     acc_dtype = torch.promote_types(dtype, torch.float32)
     detach = lambda t: None if t is None else t.detach().to(acc_dtype)  # noqa: E731
@@ -376,6 +408,10 @@ def _masked_rows_loss(
         size = keep.numel()
     else:
         size = min(max(int(max_rows), 0), rows)
+        graphs = kwargs.get("graphs")
+        if graphs is not None and graphs.serves(hidden):  # whole chunks: nearby row counts share a graph
+            whole = chunk_rows(lm_weight.shape[0], kwargs.get("chunk_elements"))
+            size = min(-(-size // whole) * whole, rows)
         # The True rows first, in their order, then False ones: their weights are zeroed below. No read-back.
         keep = torch.argsort((~row_mask).to(torch.uint8), stable=True)[:size]
         real = row_mask.index_select(0, keep)
@@ -494,6 +530,7 @@ def walk_block_weights(confidence_logits: torch.Tensor, mask: torch.Tensor) -> t
 def block_draft_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
     normalization: str = "token", max_rows: int | None = None, anchor_weighting: str = "uniform",
+    graphs: KeyedGraphs | None = None,
 ) -> DraftLossOutput:
     """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring; `normalization`: `_normalized`).
 
@@ -542,6 +579,7 @@ def block_draft_loss(
         backend=backend,
         row_mask=(mask > 0).reshape(-1),
         max_rows=max_rows,
+        graphs=graphs,
     )
     shape = weight.shape
     terms = {"loss_ce": (weight * stats.ce.view(shape)).sum()}
@@ -567,6 +605,7 @@ def block_draft_loss(
 def eagle3_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
     normalization: str = "token", max_rows: int | None = None, anchor_weighting: str = "uniform",
+    graphs: KeyedGraphs | None = None,
 ) -> DraftLossOutput:
     """Eagle3 training-time-test objective from an `Eagle3Output` (see the module docstring)."""
     if anchor_weighting != "uniform":
@@ -599,6 +638,7 @@ def eagle3_loss(
         backend=backend,
         row_mask=(mask > 0).reshape(-1),
         max_rows=max_rows,
+        graphs=graphs,
     )
     shape = weight.shape
     terms = {"loss_soft_ce": (weight * stats.soft_ce.view(shape)).sum()}

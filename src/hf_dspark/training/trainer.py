@@ -42,7 +42,7 @@ from torch.profiler import record_function
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_callback import ExportableState, ProgressCallback
 
-from ..compilation import compile_mark, compile_report, compile_seconds_since, keep_compilation_records
+from ..compilation import KeyedGraphs, compile_mark, compile_report, compile_seconds_since, keep_compilation_records
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..metrics import decoding_walk_estimates
 from ..models.anchors import anchor_candidates, covering_anchor_passes, covering_pass_count, sample_anchors
@@ -233,6 +233,7 @@ class DraftTrainer(Trainer):
                     quiet=getattr(self.args, "_target_cuda_graphs_defaulted", False),
                 )
         self._compiled_draft_layers = self._draft_layer_compiler()
+        self._loss_graphs = self._loss_graph_runner()
         self._metrics: dict[str, dict[str, torch.Tensor]] = {"train": defaultdict(float), "eval": defaultdict(float)}
         self._anchor_step, self._anchor_micro = -1, 0
         self.supervised_tokens_seen = torch.zeros((), device=self.args.device)  # this process, no host sync
@@ -366,6 +367,7 @@ class DraftTrainer(Trainer):
                     normalization=getattr(self.args, "loss_normalization", "token"),
                     anchor_weighting=getattr(self.args, "anchor_weighting", "uniform"),
                     max_rows=rows_bound,
+                    graphs=self._loss_graphs,
                 )
             self._record(mode, result)
             if mode == "train":
@@ -429,6 +431,22 @@ class DraftTrainer(Trainer):
                                "attempt)", what, type(err).__name__, err, flag)  # fmt: skip
                 setattr(self, attribute, None)
         return run()
+
+    def _loss_graph_runner(self) -> KeyedGraphs | None:
+        """`loss_cuda_graphs`: the runner that replays the loss's forward, or None where it cannot serve."""
+        if not getattr(self.args, "loss_cuda_graphs", False):
+            return None
+        reason = None
+        if self.args.device.type != "cuda":
+            reason = "off CUDA"
+        elif getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            reason = "DeepSpeed or FSDP (the loss's weights are gathered anew every step)"
+        elif getattr(self.args, "loss_backend", "auto") != "torch":
+            reason = f"loss_backend={self.args.loss_backend!r} (the graphs hold the PyTorch backend)"
+        if reason is not None:
+            logger.warning("loss_cuda_graphs is ignored %s: the loss runs uncaptured", reason)
+            return None
+        return KeyedGraphs("the loss's forward", "loss_cuda_graphs=False", max_graphs=16)
 
     def _draft_layer_compiler(self) -> CompiledLayers | None:
         """`compile_draft_layers`, where the draft's layers are called directly (see `compiled_draft_layers`)."""
