@@ -130,13 +130,9 @@ class DraftTrainingArguments(TrainingArguments):
     )  # fmt: skip
     loss_cuda_graphs: bool = field(
         default=False,
-        metadata={"help": "Replay the PyTorch loss's forward (every row chunk's products and compiled math) from a "
-                  "CUDA graph per row count, rounded up to whole chunks: the host issues one launch instead of each "
-                  "chunk's kernels (the loss took 22 of the 55 ms the host spent issuing a SmolLM2 step on an "
-                  "H200). Captured when a row count comes a second time; at most 16 share one memory pool, which "
-                  "holds one loss forward's buffers (about 1 GB at SmolLM2's shapes). Off by default until timed; "
-                  "ignored (with a warning) off CUDA, with DeepSpeed or FSDP (the loss weights are gathered anew each "
-                  "step) and with loss_backend other than torch."},
+        metadata={"help": "Replay the PyTorch loss's forward from one CUDA graph per row count (whole chunks): one "
+                  "launch for the host instead of every chunk's kernels; ~1 GB of graph memory at SmolLM2's shapes. "
+                  "Opt-in until timed; ignored off CUDA, with DeepSpeed / FSDP or another loss_backend."},
     )  # fmt: skip
     compile_draft_layers: bool | None = field(
         default=None,
