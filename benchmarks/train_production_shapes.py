@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench_common import device_idle, hardware  # noqa: E402
 
 from hf_dspark import DSparkConfig, DSparkModel
-from hf_dspark.compilation import KeyedGraphs
+from hf_dspark.training.loss_graphs import LossGraphs
 from hf_dspark.models import backbone
 from hf_dspark.training.arguments import draft_layer_compile_blocker
 from hf_dspark.training import loss_buffers
@@ -311,7 +311,7 @@ def main(argv=None):
     if args.compile_draft_layers:  # as the trainer does it
         layers = compiled_draft_layers(draft, mode=args.compile_mode)
 
-    loss_graphs = KeyedGraphs("the loss's forward", "--loss_cuda_graphs off") if args.loss_cuda_graphs else None
+    loss_graphs = LossGraphs() if args.loss_cuda_graphs else None
     # the fixed batch's row bound, counted once on the host (the trainer's collator does it for every batch)
     max_rows = draft.loss_rows_bound_fn()(loss_mask.cpu()) if args.loss_rows == "host" else None
 

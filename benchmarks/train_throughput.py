@@ -374,7 +374,7 @@ def train_one(args, algorithm, max_steps, target, tokenizer, train_rows, eval_ro
         "loss_cuda_graphs": loss_cuda_graphs,
         # the same for the loss's graphs, and how many were captured
         "loss_graphs_failed": (trainer._loss_graphs.failed if trainer._loss_graphs is not None else None),
-        "loss_graphs_captured": len(trainer._loss_graphs.graphs) if trainer._loss_graphs is not None else 0,
+        "loss_graphs_captured": trainer._loss_graphs.captures if trainer._loss_graphs is not None else 0,
         "loss_chunk_elements": training_args.loss_chunk_elements or DEFAULT_CHUNK_ELEMENTS,  # as the trainer ran
         "draft_dir": output_dir,
         **cache_info,

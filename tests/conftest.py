@@ -132,3 +132,25 @@ def replaying_on_cpu(graphs_class):
 
     return ReplayingOnCPU
 
+
+def loss_graphs_on_cpu(max_settings: int = 4):
+    """A `loss_graphs.LossGraphs` whose 'capture' runs the chunk twice (as a capture's warm-ups do, writing the
+    static outputs and adding into the accumulators) and whose 'replay' runs it again: the bookkeeping on a CPU."""
+    from hf_dspark.training.loss_graphs import LossGraphs
+
+    class ReplayingOnCPU(LossGraphs):
+        def serves(self, tensor):
+            return self.failed is None
+
+        def _capture(self, fn):
+            fn()
+            fn()
+
+            class Graph:
+                def replay(self):
+                    fn()
+
+            return Graph()
+
+    return ReplayingOnCPU(max_settings)
+

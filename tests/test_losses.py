@@ -174,18 +174,17 @@ def _graph_loss_call(graphs, seed, rows_kept, weights, device="cpu", compile=Fal
     return loss, stats, grads
 
 
-def test_the_loss_forward_replayed_from_a_graph_equals_the_plain_one():
-    """`loss_cuda_graphs`' bookkeeping, with a CPU stand-in for the graph (it re-runs the captured function on the
-    static inputs): a row count's first call runs plain, its second captures, later calls replay with their own
-    inputs and the weights' current values; row bounds within one chunk share a graph; each equals the plain loss."""
-    from conftest import replaying_on_cpu
+def test_the_loss_chunks_replayed_from_graphs_equal_the_plain_ones():
+    """`loss_cuda_graphs`' bookkeeping, with a CPU stand-in for the graphs (a 'capture' runs the chunk twice, as the
+    warm-ups do, a 'replay' once more): a setting's first call runs plain; then one graph per chunk index over
+    static buffers sized for the batch's rows, captured as calls first need them, replayed for any row count (rows
+    past it weigh zero); W2 changed in place between calls is read; every call equals the plain loss."""
+    from conftest import loss_graphs_on_cpu
 
-    from hf_dspark.compilation import KeyedGraphs
-
-    graphs = replaying_on_cpu(KeyedGraphs)("the loss's forward", "loss_cuda_graphs=False")
+    graphs = loss_graphs_on_cpu()
     W2 = torch.randn(50, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
     weights = (torch.randn(50, 8, generator=torch.Generator().manual_seed(9)), W2)
-    for call, (seed, kept) in enumerate([(0, 20), (1, 17), (2, 23), (3, 33)]):
+    for call, (seed, kept) in enumerate([(0, 20), (1, 17), (2, 23), (3, 33), (4, 9)]):
         with torch.no_grad():
             W2.mul_(0.9)  # the optimizer changes the weights in place between steps: the replay reads them
         got = _graph_loss_call(graphs, seed, kept, weights)
@@ -195,22 +194,22 @@ def test_the_loss_forward_replayed_from_a_graph_equals_the_plain_one():
             torch.testing.assert_close(getattr(got[1], field), getattr(want[1], field))
         for g, w in zip(got[2], want[2]):
             torch.testing.assert_close(g, w)
-        # 20, 17 and 23 rows round up to 24 (chunks of 8): one graph, captured at the second call; 33 -> 40 is new
-        assert (graphs.captures, len(graphs.graphs), len(graphs.seen)) == [(0, 0, 1), (1, 1, 1), (1, 1, 1),
-                                                                           (1, 1, 2)][call]  # fmt: skip
+        # chunks of 8 rows, buffers for the batch's 40: 17 and 23 rows take 3 chunks, 33 the other 2
+        assert graphs.captures == [0, 3, 3, 5, 5][call] and len(graphs.states) == min(call, 1)
+    assert next(iter(graphs.states.values())).capacity == 40
 
 
 def test_a_failed_capture_falls_back_to_the_plain_loss_for_good(caplog):
-    from hf_dspark.compilation import KeyedGraphs
+    from hf_dspark.training.loss_graphs import LossGraphs
 
-    class Failing(KeyedGraphs):
+    class Failing(LossGraphs):
         def serves(self, tensor):
             return self.failed is None
 
         def _capture(self, fn):
             raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs = Failing("the loss's forward", "loss_cuda_graphs=False")
+    graphs = Failing()
     weights = (torch.randn(50, 8), torch.randn(50, 4).requires_grad_())
     with caplog.at_level("WARNING"):
         results = [_graph_loss_call(graphs, 0, 20, weights) for _ in range(3)]
@@ -218,27 +217,27 @@ def test_a_failed_capture_falls_back_to_the_plain_loss_for_good(caplog):
     for got in results:
         torch.testing.assert_close(got[0], want[0])
     assert graphs.failed.startswith("RuntimeError") and "loss_cuda_graphs=False" in caplog.text
-    assert caplog.text.count("without CUDA graphs") == 1
+    assert caplog.text.count("without CUDA graphs") == 1 and not graphs.states
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("compile", [False, True])
 def test_cuda_graph_of_the_loss_forward_equals_the_plain_loss(compile):
-    from hf_dspark.compilation import KeyedGraphs
+    from hf_dspark.training.loss_graphs import LossGraphs
 
-    graphs = KeyedGraphs("the loss's forward", "loss_cuda_graphs=False")
+    graphs = LossGraphs()
     W2 = torch.randn(50, 4, device="cuda").requires_grad_()
     weights = (torch.randn(50, 8, device="cuda"), W2)
-    for seed in range(4):
+    for seed, kept in enumerate([20, 17, 23, 33, 9, 20]):
         with torch.no_grad():
             W2.mul_(0.9)
-        got = _graph_loss_call(graphs, seed, 20, weights, device="cuda", compile=compile)
-        want = _graph_loss_call(None, seed, 20, weights, device="cuda", compile=compile, max_rows=24)
+        got = _graph_loss_call(graphs, seed, kept, weights, device="cuda", compile=compile)
+        want = _graph_loss_call(None, seed, kept, weights, device="cuda", compile=compile)
         torch.testing.assert_close(got[0], want[0])
         torch.testing.assert_close(got[1].l1, want[1].l1)
         for g, w in zip(got[2], want[2]):
             torch.testing.assert_close(g, w)
-    assert graphs.failed is None and len(graphs.graphs) == 1
+    assert graphs.failed is None and graphs.captures == 5
 
 
 def test_chunk_size_does_not_change_the_result():

@@ -1005,9 +1005,7 @@ def test_loss_cuda_graphs_feed_the_loss_and_train_as_without_them(tmp_path, capl
     """`loss_cuda_graphs`: off CUDA it is ignored with a warning. Where it serves (a CPU stand-in for the graphs,
     which re-runs the captured function on its static inputs), the trainer's loss goes through it and training
     logs the same losses as without it."""
-    from conftest import replaying_on_cpu
-
-    from hf_dspark.compilation import KeyedGraphs
+    from conftest import loss_graphs_on_cpu
 
     target = make_tiny_target("llama")
     args = dict(algorithm=algorithm, max_steps=4, per_device_train_batch_size=1, compile_target=False)
@@ -1019,7 +1017,7 @@ def test_loss_cuda_graphs_feed_the_loss_and_train_as_without_them(tmp_path, capl
     assert plain._loss_graphs is None and "loss_cuda_graphs is ignored off CUDA" in caplog.text
     plain.train()
     replayed = DraftTrainer(args=make_args(tmp_path, **args), train_dataset=tokenized_rows(), target_model=target)
-    replayed._loss_graphs = replaying_on_cpu(KeyedGraphs)("the loss's forward", "loss_cuda_graphs=False")
+    replayed._loss_graphs = loss_graphs_on_cpu()
     replayed.train()
     assert replayed._loss_graphs.captures >= 1 and replayed._loss_graphs.failed is None
     for (step, want), (_, got) in zip(losses(plain), losses(replayed), strict=True):

@@ -131,7 +131,7 @@ def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
 
 class KeyedGraphs:
     """Calls of a function replayed from CUDA graphs, one graph per key (the caller's settings plus the shapes,
-    dtypes and devices of the call's tensors); training's online target forward and its loss forward use it.
+    dtypes and devices of the call's tensors); training's online target forward uses it.
 
     `runner(key, fn, inputs)` returns `fn(*inputs)`'s outputs (a tuple / list nest of tensors and None), or None
     where it cannot serve the call and the caller runs `fn` itself: a key's first call (one-off shapes, such as an

@@ -130,9 +130,10 @@ class DraftTrainingArguments(TrainingArguments):
     )  # fmt: skip
     loss_cuda_graphs: bool = field(
         default=False,
-        metadata={"help": "Replay the PyTorch loss's forward from one CUDA graph per row count (whole chunks): one "
-                  "launch for the host instead of every chunk's kernels; ~1 GB of graph memory at SmolLM2's shapes. "
-                  "Opt-in until timed; ignored off CUDA, with DeepSpeed / FSDP or another loss_backend."},
+        metadata={"help": "Replay the PyTorch loss's row chunks from CUDA graphs, one per chunk index: one launch "
+                  "a chunk for the host instead of its kernels; ~1.1 GB of static buffers and graph memory at "
+                  "SmolLM2's shapes. Opt-in until timed; ignored off CUDA, with DeepSpeed / FSDP or another "
+                  "loss_backend."},
     )  # fmt: skip
     compile_draft_layers: bool | None = field(
         default=None,

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 
 from .loss_buffers import DEFAULT_CHUNK_ELEMENTS, _addmm_acc_, _mm_acc, chunk_rows
+from .loss_graphs import ROWS as graphs_rows, LossGraphs
 
-from ..compilation import KeyedGraphs
 from ..kernel_backends import KERNEL_BACKENDS, choose_kernel_backend
 from ..metrics import training_acceptance_estimates
 
@@ -170,22 +170,8 @@ class _FusedHeadLoss(torch.autograd.Function):
                     raise
                 logger.warning("Triton loss failed (%s: %s); using the PyTorch path", type(err).__name__, err)
                 _TRITON_FAILED = True
-        need = tuple(need[:5])
-
-        def chunks(hidden, markov, target_hidden, labels, w_ce, w_l1, w_soft):
-            return _chunked_head_loss(hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1,
-                                      w_soft, opts, need)  # fmt: skip
-
-        inputs = (hidden, markov, target_hidden, labels, w_ce, w_l1, w_soft)
-        graphs, out = opts.get("graphs"), None
-        if graphs is not None and graphs.serves(hidden):
-            # What the captured kernels read besides the inputs: the weights at these addresses (their values may
-            # change in place, as the optimizer changes them) and the settings.
-            weights = tuple(None if w is None else (w.data_ptr(), tuple(w.shape), w.dtype)
-                            for w in (lm_weight, markov_weight))  # fmt: skip
-            settings = (opts["softcap"], opts["rows"], opts["dtype"], need, opts["compile"], weights)
-            out = graphs(settings, chunks, inputs)
-        loss, grads, per_row = out if out is not None else chunks(*inputs)
+        loss, grads, per_row = _chunked_head_loss(hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce,
+                                                  w_l1, w_soft, opts, tuple(need[:5]))  # fmt: skip
         return _FusedHeadLoss._finish(ctx, grads, markov_weight, loss, per_row, hidden.device)
 
     @staticmethod
@@ -213,76 +199,123 @@ def _chunked_head_loss(hidden, markov, target_hidden, lm_weight, markov_weight, 
                        need) -> tuple:  # fmt: skip
     """The PyTorch backend of `_FusedHeadLoss.forward`, row chunk by row chunk: (loss, (grad_hidden, grad_markov,
     grad_markov_weight), per-row (ce, l1, soft_ce, match)). `need`: which of the first five inputs want a gradient.
-    Once the process has checked its fused GEMMs (`loss_buffers`, at the first call), no host synchronization and
-    the same kernels at every call of the same shapes: a CUDA graph can hold it (`fused_head_loss`'s `graphs`)."""
-    global _COMPILED_CHUNK_MATH
+    With `opts["graphs"]` (`loss_graphs.LossGraphs`) on CUDA the chunks replay from CUDA graphs where it serves."""
     cap, rows, dtype = opts["softcap"], opts["rows"], opts["dtype"]
-    want_grad = any(need)
     acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 in exactness tests)
-    W = lm_weight.to(dtype)  # [V, d]
-    W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
-    cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731 - once, not per chunk
-    hidden_c, markov_c, target_c = cast(hidden), cast(markov), cast(target_hidden)
-    # The draft's logits in one product, [h, z] @ [W, W2]^T: the Markov bias accumulates inside the GEMM. Added
-    # by a second GEMM it read and wrote the whole fp32 [rows, V] buffer again, a memory-bound pass slower than
-    # the product itself (the concatenated weight is one copy of [V, d + r] a call).
-    draft_in, draft_w = hidden_c, W
-    if markov is not None:
-        draft_in, draft_w = torch.cat([hidden_c, markov_c], 1), torch.cat([W, W2], 1)  # [S, d + r], [V, d + r]
-    # Both input gradients in one buffer, [S, d (+ r)] in the compute dtype: each chunk's `g @ [W, W2]` is written
-    # into its rows (cast to the inputs' dtypes once, after the loop, where they differ).
-    grad_in = draft_in.new_empty(draft_in.shape) if need[0] or need[1] else None
-    grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
-    grad_dtype = dtype if want_grad else None
-    stats = {"ce": [], "l1": [], "soft_ce": [], "match": []}
+    grad_dtype = dtype if any(need) else None
     math_fn = _get_chunk_math(opts["compile"])
-    for start in range(0, hidden.shape[0], rows):
-        sl = slice(start, start + rows)
-        n = min(rows, hidden.shape[0] - start)
-        # The compiled math sees one shape only: the last, shorter chunk is padded with zero-weight rows
-        # (one compilation instead of one per distinct chunk length; the padding is < one chunk per step).
-        pad = rows - n if math_fn is not _chunk_math else 0
-        h = _pad_rows(draft_in[sl], pad)  # [n + pad, d (+ r)]
-        z = _pad_rows(markov_c[sl], pad) if markov is not None else None  # [n + pad, r]
-        a, b, c = (None if w is None else _pad_rows(w[sl], pad) for w in (w_ce, w_l1, w_soft))
-        chunk_labels = _pad_rows(labels[sl], pad)
-        th = _pad_rows(target_c[sl], pad) if target_hidden is not None else None
-
-        def logits():  # draft and target logits, [n, V] each, before soft-capping
-            u = _mm_acc(h, draft_w.T, acc)
-            ut = _mm_acc(th, W.T, acc) if th is not None else None
-            return u, ut
-
-        try:
-            ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
-        except Exception as err:  # noqa: BLE001 - whatever the compiler raises, eager is correct
-            if math_fn is _chunk_math:
-                raise
-            logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
-            _COMPILED_CHUNK_MATH = math_fn = _chunk_math
-            ce, l1, soft_ce, match, g = math_fn(*logits(), chunk_labels, a, b, c, cap, grad_dtype)
-        if pad:
-            ce, l1, soft_ce, match = (None if t is None else t[:n] for t in (ce, l1, soft_ce, match))
-            g = None if g is None else g[:n]
-            z = None if z is None else z[:n]
-        for key, value in zip(stats, (ce, l1, soft_ce, match)):
-            stats[key].append(value)
-        if g is not None:  # [n, V], already in the compute dtype
-            if grad_in is not None:  # one read of g for both gradients: g @ [W, W2]
-                torch.mm(g, draft_w, out=grad_in[sl])
-            if grad_w2 is not None:
-                _addmm_acc_(grad_w2, g.T, z)
-        del g
-    per_row = [torch.cat(v) if v and v[0] is not None else None for v in stats.values()]
+    width = hidden.shape[1]
+    graphs = opts.get("graphs")
+    out = None
+    if graphs is not None and graphs.serves(hidden):
+        out = _replayed_chunks(graphs, hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1,
+                               w_soft, opts, need, acc, grad_dtype, math_fn)  # fmt: skip
+    if out is not None:
+        grad_in, grad_w2, per_row = out["grad"], out["grad_w2"], [out[k] for k in ("ce", "l1", "soft_ce", "match")]
+    else:
+        W = lm_weight.to(dtype)  # [V, d]
+        W2 = markov_weight.to(dtype) if markov is not None else None  # [V, r]
+        cast = lambda t: None if t is None else t.to(dtype)  # noqa: E731 - once, not per chunk
+        hidden_c, markov_c, target_c = cast(hidden), cast(markov), cast(target_hidden)
+        # The draft's logits in one product, [h, z] @ [W, W2]^T: the Markov bias accumulates inside the GEMM. Added
+        # by a second GEMM it read and wrote the whole fp32 [rows, V] buffer again, a memory-bound pass slower than
+        # the product itself (the concatenated weight is one copy of [V, d + r] a call).
+        draft_in, draft_w = hidden_c, W
+        if markov is not None:
+            draft_in, draft_w = torch.cat([hidden_c, markov_c], 1), torch.cat([W, W2], 1)  # [S, d + r], [V, d + r]
+        # Both input gradients in one buffer, [S, d (+ r)] in the compute dtype: each chunk's `g @ [W, W2]` is
+        # written into its rows (cast to the inputs' dtypes once, after the loop, where they differ).
+        grad_in = draft_in.new_empty(draft_in.shape) if need[0] or need[1] else None
+        grad_w2 = torch.zeros(markov_weight.shape, dtype=acc, device=W.device) if need[4] else None
+        stats = {"ce": [], "l1": [], "soft_ce": [], "match": []}
+        for start in range(0, hidden.shape[0], rows):
+            sl = slice(start, start + rows)
+            n = min(rows, hidden.shape[0] - start)
+            # The compiled math sees one shape only: the last, shorter chunk is padded with zero-weight rows
+            # (one compilation instead of one per distinct chunk length; the padding is < one chunk per step).
+            pad = rows - n if math_fn is not _chunk_math else 0
+            padded = lambda t: None if t is None else _pad_rows(t[sl], pad)  # noqa: E731
+            chunk = (padded(draft_in), padded(markov_c), padded(target_c), padded(labels), padded(w_ce),
+                     padded(w_l1), padded(w_soft))  # fmt: skip
+            dest = None if grad_in is None else grad_in[sl]
+            try:
+                terms = _chunk(math_fn, *chunk, draft_w, W, acc, cap, grad_dtype, dest, grad_w2, n)
+            except Exception as err:  # noqa: BLE001 - whatever the compiler raises, eager is correct
+                if math_fn is _chunk_math:
+                    raise
+                logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
+                global _COMPILED_CHUNK_MATH
+                _COMPILED_CHUNK_MATH = math_fn = _chunk_math
+                terms = _chunk(math_fn, *chunk, draft_w, W, acc, cap, grad_dtype, dest, grad_w2, n)
+            for key, value in zip(stats, terms):
+                stats[key].append(value)
+        per_row = [torch.cat(v) if v and v[0] is not None else None for v in stats.values()]
     # The weighted sums once over all rows: a few small kernels a call instead of a few a chunk.
     loss = torch.zeros((), dtype=acc, device=hidden.device)
     for w, term in zip((w_ce, w_l1, w_soft), per_row):
         if w is not None and term is not None:
             loss += (w * term).sum()
-    width = hidden.shape[1]
     grad_h = grad_in[:, :width].to(hidden.dtype) if need[0] else None
     grad_z = grad_in[:, width:].to(markov.dtype) if need[1] else None
     return loss, (grad_h, grad_z, grad_w2), per_row
+
+
+def _chunk(math_fn, h, z, th, labels, a, b, c, draft_w, W, acc, cap, grad_dtype, grad_out, grad_w2, n=None):
+    """One row chunk: the draft's logits ([h, z] @ draft_w^T, h holding z's columns too when there is a Markov
+    head) and the target's (th @ W^T), the vocabulary-wide math, and the gradient products: `g @ draft_w` into
+    grad_out (the chunk's rows of the input gradients) and `g^T z` added into grad_w2. `n`: the real rows of a
+    chunk padded with zero-weight ones (None: all). Returns the per-row (ce, l1, soft_ce, match)."""
+    u = _mm_acc(h, draft_w.T, acc)
+    ut = _mm_acc(th, W.T, acc) if th is not None else None
+    ce, l1, soft_ce, match, g = math_fn(u, ut, labels, a, b, c, cap, grad_dtype)
+    if n is not None and n < h.shape[0]:
+        ce, l1, soft_ce, match = (None if t is None else t[:n] for t in (ce, l1, soft_ce, match))
+        g = None if g is None else g[:n]
+        z = None if z is None else z[:n]
+    if g is not None:  # [n, V], already in the compute dtype
+        if grad_out is not None:  # one read of g for both input gradients: g @ [W, W2]
+            torch.mm(g, draft_w, out=grad_out)
+        if grad_w2 is not None:
+            _addmm_acc_(grad_w2, g.T, z)
+    return ce, l1, soft_ce, match
+
+
+def _replayed_chunks(graphs, hidden, markov, target_hidden, lm_weight, markov_weight, labels, w_ce, w_l1, w_soft,
+                     opts, need, acc, grad_dtype, math_fn) -> dict | None:  # fmt: skip
+    """`_chunked_head_loss`'s chunks through `graphs` (one CUDA graph per chunk index over static buffers):
+    the outputs by name, or None where the graphs do not serve the call."""
+    dtype, width = opts["dtype"], hidden.shape[1]
+    rank = 0 if markov is None else markov.shape[1]
+    vocab = lm_weight.shape[0]
+    # What the graphs read besides their static buffers: the weights at these addresses (their values may change
+    # in place, as the optimizer changes W2) and the settings.
+    weights = tuple(None if w is None else (w.data_ptr(), tuple(w.shape), w.dtype) for w in (lm_weight, markov_weight))
+    key = (opts["softcap"], opts["rows"], dtype, need, opts["compile"], weights, width, rank,
+           None if target_hidden is None else target_hidden.shape[1], tuple(w is None for w in (w_l1, w_soft)))
+    has_target = target_hidden is not None
+    per_row = lambda held, present=True: ((graphs_rows, ), held) if present else None  # noqa: E731
+    out_shapes = {
+        "grad": ((graphs_rows, width + rank), dtype) if need[0] or need[1] else None,
+        "ce": per_row(acc), "l1": per_row(acc, has_target), "soft_ce": per_row(acc, has_target and w_soft is not None),
+        "match": per_row(torch.bool, has_target), "grad_w2": ((vocab, rank), acc) if need[4] else None,
+    }  # fmt: skip
+
+    def prepare(work, outputs):  # chunk 0: the products' weights, the W2 gradient's accumulator
+        work["w"][:, :width].copy_(lm_weight)
+        if markov is not None:
+            work["w"][:, width:].copy_(markov_weight)
+        if outputs["grad_w2"] is not None:
+            outputs["grad_w2"].zero_()
+
+    def chunk(work, h, z, th, labels, a, b, c, grad_out, grad_w2):
+        w = work["w"]
+        return _chunk(math_fn, h, z, th, labels, a, b, c, w, w[:, :width], acc, opts["softcap"], grad_dtype,
+                      grad_out, grad_w2)  # fmt: skip
+
+    inputs = {"h": hidden if markov is None else (hidden, markov), "th": target_hidden, "labels": labels,
+              "a": w_ce, "b": w_l1, "c": w_soft}  # fmt: skip
+    return graphs.run(key, inputs, dtype, opts["rows"], out_shapes, {"w": ((vocab, width + rank), dtype)}, prepare,
+                      chunk)
 
 
 def _compute_dtype(tensor: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -319,7 +352,7 @@ def fused_head_loss(
     backend: str = "auto",
     row_mask: torch.Tensor | None = None,
     max_rows: int | None = None,
-    graphs: KeyedGraphs | None = None,
+    graphs: LossGraphs | None = None,
 ) -> tuple[torch.Tensor, HeadStats]:
     """sum_i ce_weight_i CE_i + l1_weight_i L1_i + soft_ce_weight_i SCE_i over rows, without [S, V] tensors.
 
@@ -335,10 +368,8 @@ def fused_head_loss(
     the True rows makes the host wait for the device, unless `max_rows` (an int the host knows, at least their
     number: `DraftPreTrainedModel.loss_rows_bound_fn`) sizes the buffer: then the True rows in order, and past
     their number rows with zero weights.
-    graphs (`compilation.KeyedGraphs`, the trainer's `loss_cuda_graphs`): the PyTorch backend's forward on CUDA
-    replayed from a CUDA graph per shape, so the host issues one launch instead of every chunk's kernels; `max_rows`
-    is then rounded up to whole chunks (the compiled math pads the last chunk to one anyway), so batches of nearby
-    row counts share a graph.
+    graphs (`loss_graphs.LossGraphs`, the trainer's `loss_cuda_graphs`): the PyTorch backend's chunks on CUDA
+    replayed from one CUDA graph per chunk index, so the host issues a launch a chunk instead of its kernels.
     Returns (scalar fp32 loss, HeadStats with per-row ce / l1 / soft_ce / greedy_match).
     """
     if row_mask is not None:
@@ -408,10 +439,6 @@ def _masked_rows_loss(
         size = keep.numel()
     else:
         size = min(max(int(max_rows), 0), rows)
-        graphs = kwargs.get("graphs")
-        if graphs is not None and graphs.serves(hidden):  # whole chunks: nearby row counts share a graph
-            whole = chunk_rows(lm_weight.shape[0], kwargs.get("chunk_elements"))
-            size = min(-(-size // whole) * whole, rows)
         # The True rows first, in their order, then False ones: their weights are zeroed below. No read-back.
         keep = torch.argsort((~row_mask).to(torch.uint8), stable=True)[:size]
         real = row_mask.index_select(0, keep)
@@ -419,6 +446,8 @@ def _masked_rows_loss(
         torch._assert_async(row_mask.sum() <= size, "max_rows is below the number of loss rows")
     if size == 0:
         return _no_rows_loss(rows, hidden, lm_weight, **kwargs)
+    if kwargs.get("graphs") is not None:  # static buffers for every row this batch shape can have
+        kwargs["graphs"].reserve(rows)
     pick = lambda t: None if t is None else t.index_select(0, keep)  # noqa: E731
     # padding rows (max_rows above the count): zero weights, a valid label, statistics dropped when spread back
     only_real = lambda t: t if real is None or t is None else torch.where(real, t, torch.zeros_like(t))  # noqa: E731
@@ -530,7 +559,7 @@ def walk_block_weights(confidence_logits: torch.Tensor, mask: torch.Tensor) -> t
 def block_draft_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
     normalization: str = "token", max_rows: int | None = None, anchor_weighting: str = "uniform",
-    graphs: KeyedGraphs | None = None,
+    graphs: LossGraphs | None = None,
 ) -> DraftLossOutput:
     """DSpark / DFlash objective from a `BlockDraftOutput` (see the module docstring; `normalization`: `_normalized`).
 
@@ -605,7 +634,7 @@ def block_draft_loss(
 def eagle3_loss(
     draft, outputs, *, chunk_elements: int | None = None, compile: bool = False, backend: str = "auto",
     normalization: str = "token", max_rows: int | None = None, anchor_weighting: str = "uniform",
-    graphs: KeyedGraphs | None = None,
+    graphs: LossGraphs | None = None,
 ) -> DraftLossOutput:
     """Eagle3 training-time-test objective from an `Eagle3Output` (see the module docstring)."""
     if anchor_weighting != "uniform":

@@ -42,7 +42,7 @@ from torch.profiler import record_function
 from transformers import Trainer, TrainerCallback, enable_full_determinism, set_seed
 from transformers.trainer_callback import ExportableState, ProgressCallback
 
-from ..compilation import KeyedGraphs, compile_mark, compile_report, compile_seconds_since, keep_compilation_records
+from ..compilation import compile_mark, compile_report, compile_seconds_since, keep_compilation_records
 from ..models import DRAFTERS, DraftPreTrainedModel, drafter_classes, drafter_spec
 from ..metrics import decoding_walk_estimates
 from ..models.anchors import anchor_candidates, covering_anchor_passes, covering_pass_count, sample_anchors
@@ -51,6 +51,7 @@ from .arguments import DraftTrainingArguments, draft_layer_compile_blocker
 from .checkpoints import resolve_resume_checkpoint
 from .collator import LOSS_ROWS_BOUND, DraftDataCollator
 from .compiled_layers import CompiledLayers, compiled_draft_layers
+from .loss_graphs import LossGraphs
 from .losses import draft_loss
 from .step_agreement import StepAgreement
 from .stop_signals import StopOnSignal
@@ -432,7 +433,7 @@ class DraftTrainer(Trainer):
                 setattr(self, attribute, None)
         return run()
 
-    def _loss_graph_runner(self) -> KeyedGraphs | None:
+    def _loss_graph_runner(self) -> LossGraphs | None:
         """`loss_cuda_graphs`: the runner that replays the loss's forward, or None where it cannot serve."""
         if not getattr(self.args, "loss_cuda_graphs", False):
             return None
@@ -446,7 +447,7 @@ class DraftTrainer(Trainer):
         if reason is not None:
             logger.warning("loss_cuda_graphs is ignored %s: the loss runs uncaptured", reason)
             return None
-        return KeyedGraphs("the loss's forward", "loss_cuda_graphs=False", max_graphs=16)
+        return LossGraphs()
 
     def _draft_layer_compiler(self) -> CompiledLayers | None:
         """`compile_draft_layers`, where the draft's layers are called directly (see `compiled_draft_layers`)."""
