@@ -240,6 +240,23 @@ def test_cuda_graph_of_the_loss_forward_equals_the_plain_loss(compile):
     assert graphs.failed is None and graphs.captures == 5
 
 
+def test_a_failing_compiled_math_falls_back_to_eager_with_the_same_result(monkeypatch, caplog):
+    from hf_dspark.training import losses
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor could not lower this op")
+
+    monkeypatch.setattr(losses, "_COMPILED_CHUNK_MATH", broken)
+    weights = (torch.randn(50, 8, generator=torch.Generator().manual_seed(9)), torch.randn(50, 4).requires_grad_())
+    with caplog.at_level("WARNING"):
+        got = _graph_loss_call(None, 0, 20, weights, compile=True)
+    assert losses._COMPILED_CHUNK_MATH is losses._chunk_math and "compiled loss math failed" in caplog.text
+    want = _graph_loss_call(None, 0, 20, weights)
+    torch.testing.assert_close(got[0], want[0])
+    for g, w in zip(got[2], want[2]):
+        torch.testing.assert_close(g, w)
+
+
 def test_chunk_size_does_not_change_the_result():
     torch.manual_seed(1)
     S, d, V = 40, 16, 96

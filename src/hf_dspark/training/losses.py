@@ -200,6 +200,7 @@ def _chunked_head_loss(hidden, markov, target_hidden, lm_weight, markov_weight, 
     """The PyTorch backend of `_FusedHeadLoss.forward`, row chunk by row chunk: (loss, (grad_hidden, grad_markov,
     grad_markov_weight), per-row (ce, l1, soft_ce, match)). `need`: which of the first five inputs want a gradient.
     With `opts["graphs"]` (`loss_graphs.LossGraphs`) on CUDA the chunks replay from CUDA graphs where it serves."""
+    global _COMPILED_CHUNK_MATH
     cap, rows, dtype = opts["softcap"], opts["rows"], opts["dtype"]
     acc = torch.promote_types(dtype, torch.float32)  # fp32 (fp64 in exactness tests)
     grad_dtype = dtype if any(need) else None
@@ -244,7 +245,6 @@ def _chunked_head_loss(hidden, markov, target_hidden, lm_weight, markov_weight, 
                 if math_fn is _chunk_math:
                     raise
                 logger.warning("compiled loss math failed (%s: %s); using eager", type(err).__name__, err)
-                global _COMPILED_CHUNK_MATH
                 _COMPILED_CHUNK_MATH = math_fn = _chunk_math
                 terms = _chunk(math_fn, *chunk, draft_w, W, acc, cap, grad_dtype, dest, grad_w2, n)
             for key, value in zip(stats, terms):
