@@ -103,18 +103,17 @@ def load_script(relative: str):
 
 
 def replaying_on_cpu(graphs_class):
-    """A `compilation.KeyedGraphs` subclass whose 'capture' runs the function once and whose 'replay' runs it again
-    on the static inputs, writing into the captured outputs: the runners' bookkeeping (keys, static inputs, copies
-    of the outputs) on a CPU, where no CUDA graph exists. Counts its captures."""
+    """A subclass of a CUDA graph runner (`compilation.GraphRunner`: `KeyedGraphs`, `LossGraphs`) whose 'capture'
+    runs the function twice, as a capture's warm-ups do (writing static outputs, adding into accumulators), and
+    whose 'replay' runs it again on the static inputs, writing into the captured outputs: the runners' bookkeeping
+    (keys, static buffers, copies of the outputs) on a CPU, where no CUDA graph exists."""
 
     class ReplayingOnCPU(graphs_class):
-        captures = 0
-
         def serves(self, tensor):
             return self.failed is None
 
         def _capture(self, fn):
-            self.captures += 1
+            fn()
             outputs = fn()
 
             def copy_into(held, new):
@@ -131,26 +130,4 @@ def replaying_on_cpu(graphs_class):
             return Graph(), outputs
 
     return ReplayingOnCPU
-
-
-def loss_graphs_on_cpu(max_settings: int = 4):
-    """A `loss_graphs.LossGraphs` whose 'capture' runs the chunk twice (as a capture's warm-ups do, writing the
-    static outputs and adding into the accumulators) and whose 'replay' runs it again: the bookkeeping on a CPU."""
-    from hf_dspark.training.loss_graphs import LossGraphs
-
-    class ReplayingOnCPU(LossGraphs):
-        def serves(self, tensor):
-            return self.failed is None
-
-        def _capture(self, fn):
-            fn()
-            fn()
-
-            class Graph:
-                def replay(self):
-                    fn()
-
-            return Graph()
-
-    return ReplayingOnCPU(max_settings)
 

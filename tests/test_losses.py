@@ -179,9 +179,11 @@ def test_the_loss_chunks_replayed_from_graphs_equal_the_plain_ones():
     warm-ups do, a 'replay' once more): a setting's first call runs plain; then one graph per chunk index over
     static buffers sized for the batch's rows, captured as calls first need them, replayed for any row count (rows
     past it weigh zero); W2 changed in place between calls is read; every call equals the plain loss."""
-    from conftest import loss_graphs_on_cpu
+    from conftest import replaying_on_cpu
 
-    graphs = loss_graphs_on_cpu()
+    from hf_dspark.training.loss_graphs import LossGraphs
+
+    graphs = replaying_on_cpu(LossGraphs)()
     W2 = torch.randn(50, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
     weights = (torch.randn(50, 8, generator=torch.Generator().manual_seed(9)), W2)
     for call, (seed, kept) in enumerate([(0, 20), (1, 17), (2, 23), (3, 33), (4, 9)]):

@@ -1005,7 +1005,9 @@ def test_loss_cuda_graphs_feed_the_loss_and_train_as_without_them(tmp_path, capl
     """`loss_cuda_graphs`: off CUDA it is ignored with a warning. Where it serves (a CPU stand-in for the graphs,
     which re-runs the captured function on its static inputs), the trainer's loss goes through it and training
     logs the same losses as without it."""
-    from conftest import loss_graphs_on_cpu
+    from conftest import replaying_on_cpu
+
+    from hf_dspark.training.loss_graphs import LossGraphs
 
     target = make_tiny_target("llama")
     args = dict(algorithm=algorithm, max_steps=4, per_device_train_batch_size=1, compile_target=False)
@@ -1017,7 +1019,7 @@ def test_loss_cuda_graphs_feed_the_loss_and_train_as_without_them(tmp_path, capl
     assert plain._loss_graphs is None and "loss_cuda_graphs is ignored off CUDA" in caplog.text
     plain.train()
     replayed = DraftTrainer(args=make_args(tmp_path, **args), train_dataset=tokenized_rows(), target_model=target)
-    replayed._loss_graphs = loss_graphs_on_cpu()
+    replayed._loss_graphs = replaying_on_cpu(LossGraphs)()
     replayed.train()
     assert replayed._loss_graphs.captures >= 1 and replayed._loss_graphs.failed is None
     for (step, want), (_, got) in zip(losses(plain), losses(replayed), strict=True):

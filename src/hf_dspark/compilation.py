@@ -129,7 +129,43 @@ def capture(fn, warmups: int = 2, before_warmup=None, pool=None):
     return graph, outputs
 
 
-class KeyedGraphs:
+class GraphRunner:
+    """What the training paths that replay CUDA graphs share (`KeyedGraphs`, `training.loss_graphs.LossGraphs`):
+    whether a call can be served, captures into one memory pool (counted in `captures`), and giving up for good
+    after a failed capture, logged once with `off_hint`, the setting that skips the attempt."""
+
+    def __init__(self, what: str, off_hint: str):
+        self.what, self.off_hint = what, off_hint
+        self.failed: str | None = None
+        self.captures = 0
+        self._pool = None  # the graphs' shared memory pool, made at the first capture
+
+    def serves(self, tensor) -> bool:
+        """Whether calls on `tensor`'s device can be replayed (CUDA, and no capture has failed)."""
+        return tensor.device.type == "cuda" and self.failed is None
+
+    def _counted_capture(self, fn):
+        """(graph, outputs) of `fn` (`_capture`), counted."""
+        self.captures += 1
+        return self._capture(fn)
+
+    def _capture(self, fn):
+        """(graph, outputs) of `fn` captured in the shared pool, after `capture`'s warm-ups."""
+        import torch
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return capture(fn, pool=self._pool)
+
+    def _give_up(self, err: Exception) -> None:
+        """After a failed capture: every later call is served None (the caller's plain path runs), said once."""
+        self.failed = f"{type(err).__name__}: {err}"
+        logger.warning("%s runs without CUDA graphs (capture failed: %s); %s skips the attempt", self.what,
+                       self.failed, self.off_hint)  # fmt: skip
+        self._pool = None
+
+
+class KeyedGraphs(GraphRunner):
     """Calls of a function replayed from CUDA graphs, one graph per key (the caller's settings plus the shapes,
     dtypes and devices of the call's tensors); training's online target forward uses it.
 
@@ -145,15 +181,10 @@ class KeyedGraphs:
     worth of intermediates for all keys, not one per key)."""
 
     def __init__(self, what: str, off_hint: str, max_graphs: int = 8, context=None):
-        self.what, self.off_hint, self.max_graphs, self.context = what, off_hint, max_graphs, context
+        super().__init__(what, off_hint)
+        self.max_graphs, self.context = max_graphs, context
         self.graphs: dict[tuple, tuple] = {}
         self.seen: set[tuple] = set()  # keys called once, not captured (yet)
-        self.failed: str | None = None
-        self._pool = None  # the graphs' shared memory pool, made at the first capture
-
-    def serves(self, tensor) -> bool:
-        """Whether calls on `tensor`'s device can be replayed (CUDA, and no capture has failed)."""
-        return tensor.device.type == "cuda" and self.failed is None
 
     def __call__(self, key: tuple, fn: Callable, inputs: tuple):
         if self.failed is not None:
@@ -186,23 +217,12 @@ class KeyedGraphs:
         statics = tuple(None if t is None else t.clone() for t in inputs)
         try:
             with self.context if self.context is not None else contextlib.nullcontext():
-                graph, outputs = self._capture(lambda: fn(*statics))
+                graph, outputs = self._counted_capture(lambda: fn(*statics))
         except Exception as err:  # noqa: BLE001 - the caller's uncaptured call computes the same outputs
-            self.failed = f"{type(err).__name__}: {err}"
-            logger.warning("%s runs without CUDA graphs (capture failed: %s); %s skips the attempt", self.what,
-                           self.failed, self.off_hint)  # fmt: skip
+            self._give_up(err)
             self.graphs.clear()
-            self._pool = None
             return None
         return graph, statics, outputs
-
-    def _capture(self, fn):
-        """(graph, outputs) of `fn` captured in the shared pool."""
-        import torch
-
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return capture(fn, pool=self._pool)
 
 
 def _cloned(outputs):
@@ -284,6 +304,7 @@ def run_warm(call: Callable[[], Any], retime: bool = True, rehearse: bool = Fals
 
 __all__ = [
     "TIMING_CHECKS",
+    "GraphRunner",
     "KeyedGraphs",
     "WarmRun",
     "compile_mark",

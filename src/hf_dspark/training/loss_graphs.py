@@ -16,15 +16,12 @@ they replay one after another and keep nothing in it between chunks.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from ..compilation import capture
-
-logger = logging.getLogger(__name__)
+from ..compilation import GraphRunner
 
 # What one chunk does, given the setting's work buffers and its rows of the static buffers (`losses`):
 #   chunk_fn(work, h, z, th, labels, a, b, c, grad_out, grad_w2) -> (ce, l1, soft_ce, match)
@@ -42,7 +39,7 @@ class _Buffers:
     graphs: list = field(default_factory=list)  # graphs[k]: chunk k
 
 
-class LossGraphs:
+class LossGraphs(GraphRunner):
     """Replays `fused_head_loss`'s PyTorch chunks from one CUDA graph per chunk index and setting.
 
     `run(...)` returns the loss's outputs, or None where it does not serve the call and the caller runs the chunks
@@ -51,17 +48,11 @@ class LossGraphs:
     attempt)."""
 
     def __init__(self, max_settings: int = 4):
+        super().__init__("the loss's forward", "loss_cuda_graphs=False")
         self.max_settings = max_settings
         self.states: dict[tuple, _Buffers] = {}
         self.seen: set[tuple] = set()
-        self.failed: str | None = None
-        self.captures = 0
         self.capacity_rows = 0  # `reserve`
-        self._pool = None
-
-    def serves(self, tensor: torch.Tensor) -> bool:
-        """Whether calls on `tensor`'s device can be replayed (CUDA, and no capture has failed)."""
-        return tensor.device.type == "cuda" and self.failed is None
 
     def reserve(self, rows: int) -> None:
         """Size the static buffers for calls of up to `rows` rows (a batch shape's rows before the zero-weight ones
@@ -93,11 +84,8 @@ class LossGraphs:
             for graph in state.graphs[:chunks]:
                 graph.replay()
         except Exception as err:  # noqa: BLE001 - the caller's plain chunks compute the same outputs
-            self.failed = f"{type(err).__name__}: {err}"
-            logger.warning("the loss's forward runs without CUDA graphs (capture failed: %s); loss_cuda_graphs=False "
-                           "skips the attempt", self.failed)  # fmt: skip
+            self._give_up(err)
             self.states.clear()
-            self._pool = None
             return None
         per_row = lambda shape: shape is not None and shape[0][0] is ROWS  # noqa: E731
         return {name: None if t is None else (t[:rows] if per_row(out_shapes[name]) else t).clone()
@@ -140,14 +128,7 @@ class LossGraphs:
                     if outs[name] is not None and value is not None:
                         outs[name][rows].copy_(value)
 
-            state.graphs.append(self._capture(one_chunk))
-            self.captures += 1
-
-    def _capture(self, fn):
-        """A graph of `fn` in the shared pool (after `capture`'s warm-ups)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        return capture(fn, pool=self._pool)[0]
+            state.graphs.append(self._counted_capture(one_chunk)[0])
 
 
 def _allocate(inputs: dict, dtype: torch.dtype, out_shapes: dict, work_shapes: dict, capacity: int) -> _Buffers:
