@@ -284,13 +284,12 @@ def _ttt_steps_keys(keys: list[torch.Tensor], total_steps: int, blank: torch.Ten
     return torch.cat([*keys, *[blank] * (total_steps - len(keys))], dim=2)
 
 
-def ttt_block_mask(key_valid, seq: int, total_steps: int, step: int, device: torch.device, step_id=None):
+def ttt_block_mask(key_valid, seq: int, total_steps: int, step: int, device: torch.device, step_id: torch.Tensor):
     """The flex BlockMask of TTT step `step`: query t sees step-0 keys k <= t (where key_valid) and its own position's
     key of steps 1..step; keys are `total_steps` blocks of `seq` (later steps' blocks masked out). step_id: `step` as
-    a 0-d tensor on `device` (the training forward makes them once; default: made here)."""
+    a 0-d tensor on `device` (the training forward makes them once), not a constant: one compiled kernel for every
+    step."""
     kv_len = flex_key_length(total_steps * seq, device)
-    # A tensor, not a constant: one compiled kernel for every step.
-    last = torch.tensor(step, device=device) if step_id is None else step_id
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = kv_idx // seq
@@ -298,7 +297,7 @@ def ttt_block_mask(key_valid, seq: int, total_steps: int, step: int, device: tor
         causal = (block == 0) & (k <= q_idx)
         if key_valid is not None:
             causal = causal & key_valid[b, k]
-        return causal | ((block > 0) & (block <= last) & (k == q_idx))
+        return causal | ((block > 0) & (block <= step_id) & (k == q_idx))
 
     partial, full = ttt_tiles(key_valid, seq, step, kv_len, device)
     return tiles_block_mask(partial, full, mask_mod, seq, kv_len)
